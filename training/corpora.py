@@ -11,7 +11,6 @@ deduplicated by exact hash of the normalized text. Row columns (`FEATURES`):
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import os
 import random
@@ -19,13 +18,12 @@ import shutil
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 
 import datasets
 
 from training import sources
-from training.sources import Chunk, CorpusError, Document, SourceInfo
+from training.sources import Chunk, CorpusError, Document, PyFunction, SourceInfo
 
 DOMAINS = ("code", "general", "dialog")
 SPLITS = ("train", "validation", "test")
@@ -91,52 +89,6 @@ def _hash01(*parts: object) -> float:
 # ---- code: requests built from real stdlib functions ----
 
 
-@dataclass(frozen=True)
-class _Function:
-    name: str
-    owner: str  # enclosing class name, "" for a module-level function
-    start: int  # first line (decorators included), 1-based
-    end: int
-    body_start: int  # first line of the body after the docstring; 0 when the body is only a docstring
-    signature: str
-    docstring: str
-
-
-def _functions(source: str) -> list[_Function]:
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return []
-    found = []
-
-    def visit(node: ast.AST, owner: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(child) or ""
-                body = child.body[1:] if doc else child.body
-                returns = f" -> {ast.unparse(child.returns)}" if child.returns else ""
-                start = min([child.lineno, *(d.lineno for d in child.decorator_list)])
-                found.append(
-                    _Function(
-                        child.name,
-                        owner,
-                        start,
-                        child.end_lineno or child.lineno,
-                        body[0].lineno if body else 0,
-                        f"{child.name}({ast.unparse(child.args)}){returns}",
-                        doc,
-                    )
-                )
-                visit(child, "")
-            elif isinstance(child, ast.ClassDef):
-                visit(child, child.name)
-            else:
-                visit(child, owner)
-
-    visit(tree, "")
-    return found
-
-
 _BUGS = (
     (" == ", " != "),
     (" != ", " == "),
@@ -174,7 +126,7 @@ def _first_paragraph(doc: str) -> str:
     return " ".join(doc.strip().split("\n\n")[0].split())
 
 
-def code_request(doc: Document, chunk: Chunk, functions: Sequence[_Function], rng: random.Random) -> str:
+def code_request(doc: Document, chunk: Chunk, functions: Sequence[PyFunction], rng: random.Random) -> str:
     """A request built from the chunk: write (docstring -> function), complete, explain or fix."""
     lines = doc.text.splitlines()
     inside = [f for f in functions if f.start >= chunk.start_line and f.end <= chunk.end_line and f.body_start]
@@ -235,7 +187,7 @@ def code_request(doc: Document, chunk: Chunk, functions: Sequence[_Function], rn
 
 
 def code_examples(doc: Document, seed: int) -> list[Example]:
-    functions = _functions(doc.text)
+    functions = sources.python_functions(doc.text)
     out = []
     for i, chunk in enumerate(sources.chunk_code(doc.text)):
         rng = random.Random(f"{seed}:{doc.doc_id}:{i}")
@@ -461,39 +413,16 @@ def write_domain(
     bars = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        dataset.save_to_disk(str(staging))
+        # one shard per split: datasets cannot load back a split saved as zero shards
+        dataset.save_to_disk(str(staging), num_shards={name: 1 for name in SPLITS})
     finally:
         if bars:
             datasets.enable_progress_bars()
-    (staging / "SOURCES.md").write_text(_sources_md(report, infos, seed, fractions, settings), encoding="utf-8")
+    (staging / "SOURCES.md").write_text(sources.sources_note(report, infos, seed, fractions, settings), encoding="utf-8")
     if report.path.exists():
         shutil.rmtree(report.path)
     staging.rename(report.path)
     return report
-
-
-def _sources_md(
-    report: BuildReport, infos: Sequence[SourceInfo], seed: int, fractions: Sequence[float], settings: str
-) -> str:
-    lines = [
-        f"# Sources of the `{report.domain}` corpus",
-        "",
-        f"Built by `flashspec data build` on {date.today().isoformat()}: seed {seed}{settings}; split by document "
-        f"(train/validation/test = {'/'.join(f'{f:.0%}' for f in fractions)} of documents); "
-        f"exact deduplication of normalized text removed {report.duplicates} rows.",
-        "",
-        "| source | license | documents | rows | characters | how obtained |",
-        "|---|---|---|---|---|---|",
-    ]
-    for info in infos:
-        stats = report.per_source.get(info.name, {"documents": 0, "rows": 0, "chars": 0})
-        lines.append(
-            f"| {info.name} | {info.license} | {stats['documents']} | {stats['rows']} | {stats['chars']:,} "
-            f"| {info.obtained} |"
-        )
-    lines += ["", "| split | documents | rows |", "|---|---|---|"]
-    lines += [f"| {name} | {report.documents[name]} | {report.rows[name]} |" for name in SPLITS]
-    return "\n".join(lines) + "\n"
 
 
 def build_domain(

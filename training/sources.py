@@ -9,13 +9,21 @@ Nothing here touches the network. Built-in sources (see docs/data.md):
 from __future__ import annotations
 
 import importlib.util
+import ast
 import json
 import re
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import datasets
 import yaml
+
+if TYPE_CHECKING:
+    from training.corpora import BuildReport
 
 PYTHON_DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 
@@ -162,6 +170,58 @@ def read_chatterbot(folder: Path | None = None) -> list[Document]:
                 if doc is not None:
                     docs.append(doc)
     return docs
+
+
+# ---- Python source structure ----
+
+
+@dataclass(frozen=True)
+class PyFunction:
+    """A function or method found in Python source."""
+
+    name: str
+    owner: str  # enclosing class name, "" for a module-level function
+    start: int  # first line (decorators included), 1-based
+    end: int
+    body_start: int  # first line of the body after the docstring; 0 when the body is only a docstring
+    signature: str
+    docstring: str
+
+
+def python_functions(source: str) -> list[PyFunction]:
+    """Every function and method of `source` (nested ones too); [] if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    found = []
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(child) or ""
+                body = child.body[1:] if doc else child.body
+                returns = f" -> {ast.unparse(child.returns)}" if child.returns else ""
+                start = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                found.append(
+                    PyFunction(
+                        child.name,
+                        owner,
+                        start,
+                        child.end_lineno or child.lineno,
+                        body[0].lineno if body else 0,
+                        f"{child.name}({ast.unparse(child.args)}){returns}",
+                        doc,
+                    )
+                )
+                visit(child, "")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, child.name)
+            else:
+                visit(child, owner)
+
+    visit(tree, "")
+    return found
 
 
 # ---- chunking: documents -> pieces of roughly 1-4k characters at natural boundaries ----
@@ -315,7 +375,7 @@ def chunk_rst(
 _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
-def load_user_dataset(name_or_path: str) -> "datasets.Dataset":
+def load_user_dataset(name_or_path: str) -> datasets.Dataset:
     """Anything `datasets` loads offline: a json/jsonl/csv/parquet/txt file, a `save_to_disk` folder,
     a folder of data files, or a dataset name in the local cache. All splits are concatenated."""
     import datasets
@@ -328,6 +388,8 @@ def load_user_dataset(name_or_path: str) -> "datasets.Dataset":
             except FileNotFoundError:  # a plain folder of data files
                 loaded = datasets.load_dataset(str(path))
         elif path.is_file():
+            if path.stat().st_size < 1 << 20 and not path.read_bytes().strip():
+                raise CorpusError(f"dataset {name_or_path!r} has no rows (the file is empty)")
             builder = _FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise CorpusError(
@@ -356,14 +418,14 @@ def user_source_info(name_or_path: str) -> SourceInfo:
     return SourceInfo(name, "user-provided", f"`flashspec data build --dataset {name_or_path}`")
 
 
-def _require_column(table: "datasets.Dataset", column: str, option: str) -> None:
+def _require_column(table: datasets.Dataset, column: str, option: str) -> None:
     if column not in table.column_names:
         raise CorpusError(
             f"{option} {column!r} is not a column of this dataset; available columns: {', '.join(table.column_names)}"
         )
 
 
-def _row_ids(table: "datasets.Dataset", prefix: str) -> list[str]:
+def _row_ids(table: datasets.Dataset, prefix: str) -> list[str]:
     # A user id column keeps rows of one document together in one split.
     for column in ("doc_id", "id"):
         if column in table.column_names:
@@ -375,7 +437,7 @@ _SPEAKER = re.compile(r"^\s*(?:[AB]|user|assistant|human|bot)\s*:\s*", re.IGNORE
 
 
 def read_user_texts(
-    table: "datasets.Dataset", field: str, info: SourceInfo, *, as_dialog: bool = False
+    table: datasets.Dataset, field: str, info: SourceInfo, *, as_dialog: bool = False
 ) -> list[Document]:
     """One document per row of the text column. For dialog, each non-empty line is a turn
     (a leading `A:`/`B:`/`user:`/`assistant:` speaker tag is dropped)."""
@@ -409,7 +471,7 @@ class UserChat:
 _ROLES = ("system", "user", "assistant")
 
 
-def read_user_chats(table: "datasets.Dataset", field: str, info: SourceInfo) -> list[UserChat]:
+def read_user_chats(table: datasets.Dataset, field: str, info: SourceInfo) -> list[UserChat]:
     """Rows of the messages column: lists of {"role", "content"} (a JSON string of one also works)."""
     _require_column(table, field, "--messages-field")
     chats = []
@@ -435,3 +497,28 @@ def read_user_chats(table: "datasets.Dataset", field: str, info: SourceInfo) -> 
     if not chats:
         raise CorpusError(f"no row of {field!r} has a user message")
     return chats
+
+
+def sources_note(
+    report: BuildReport, infos: Sequence[SourceInfo], seed: int, fractions: Sequence[float], settings: str
+) -> str:
+    """SOURCES.md of a built domain: each source's license, size and origin, and the split."""
+    lines = [
+        f"# Sources of the `{report.domain}` corpus",
+        "",
+        f"Built by `flashspec data build` on {date.today().isoformat()}: seed {seed}{settings}; split by document "
+        f"(train/validation/test = {'/'.join(f'{f:.0%}' for f in fractions)} of documents); "
+        f"exact deduplication of normalized text removed {report.duplicates} rows.",
+        "",
+        "| source | license | documents | rows | characters | how obtained |",
+        "|---|---|---|---|---|---|",
+    ]
+    for info in infos:
+        stats = report.per_source.get(info.name, {"documents": 0, "rows": 0, "chars": 0})
+        lines.append(
+            f"| {info.name} | {info.license} | {stats['documents']} | {stats['rows']} | {stats['chars']:,} "
+            f"| {info.obtained} |"
+        )
+    lines += ["", "| split | documents | rows |", "|---|---|---|"]
+    lines += [f"| {name} | {report.documents[name]} | {report.rows[name]} |" for name in report.rows]
+    return "\n".join(lines) + "\n"
