@@ -41,7 +41,7 @@ RUN python /tmp/build/requirements_from_pyproject.py /tmp/build/pyproject.toml -
 # Layer 3: the code.
 WORKDIR /app
 COPY --chown=flashspec:flashspec . /app
-RUN pip install --no-deps . && rm -rf /app/build
+RUN pip install --no-deps . && rm -rf /app/build /app/*.egg-info
 
 USER 10001:10001
 VOLUME ["/data"]
