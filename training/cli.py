@@ -20,7 +20,7 @@ def data_build(
         str, typer.Option(help="Comma-separated built-in domains to build (code, general, dialog).")
     ] = ",".join(corpora.DOMAINS),
     max_docs: Annotated[
-        Optional[int], typer.Option(help="At most this many documents per domain (a seeded random subset).")
+        Optional[int], typer.Option(help="At most this many documents per domain, a seeded random subset (default: 10000 for built-in domains, all rows of --dataset).")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the document sample, the split and the request shapes.")] = 0,
     dataset: Annotated[
@@ -48,7 +48,7 @@ def data_build(
             for name in names:
                 start = time.perf_counter()
                 report = corpora.build_domain(
-                    name, out_dir, max_docs=max_docs or corpora.DEFAULT_MAX_DOCS, seed=seed, render=render
+                    name, out_dir, max_docs=corpora.DEFAULT_MAX_DOCS if max_docs is None else max_docs, seed=seed, render=render
                 )
                 _echo(report, time.perf_counter() - start)
         else:

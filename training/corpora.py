@@ -43,7 +43,6 @@ FEATURES = datasets.Features(
 )
 
 Render = Callable[[list[dict]], str]
-Message = dict  # {"role": str, "content": str}
 
 BUILTIN_SOURCES: dict[str, tuple[SourceInfo, ...]] = {
     "code": (sources.STDLIB,),
@@ -293,13 +292,14 @@ def read_builtin(domain: str) -> list[Document]:
 
 
 def sample_documents(items: Sequence, max_docs: int | None, seed: int, key=lambda d: d.doc_id) -> list:
-    """A seeded random subset of at most max_docs items, in their original order."""
-    if max_docs is None or len(items) <= max_docs:
-        return list(items)
-    if max_docs < 1:
+    """The items of a seeded random subset of at most max_docs distinct keys, in their original order."""
+    if max_docs is not None and max_docs < 1:
         raise CorpusError(f"--max-docs must be at least 1, got {max_docs}")
-    keep = set(sorted(range(len(items)), key=lambda i: _hash01("sample", seed, key(items[i])))[:max_docs])
-    return [item for i, item in enumerate(items) if i in keep]
+    keys = {key(item) for item in items}
+    if max_docs is None or len(keys) <= max_docs:
+        return list(items)
+    keep = set(sorted(keys, key=lambda k: _hash01("sample", seed, k))[:max_docs])
+    return [item for item in items if key(item) in keep]
 
 
 def normalize(text: str) -> str:
@@ -443,8 +443,8 @@ def build_domain(
     docs = sample_documents(sorted(docs, key=lambda d: d.doc_id), max_docs, seed)
     examples = [ex for doc in docs for ex in EXAMPLE_BUILDERS[domain](doc, seed)]
     known = {info.name: info for infos in BUILTIN_SOURCES.values() for info in infos}
-    infos = [known.get(name) or SourceInfo(name, lic, "given to build_domain") for name, lic in
-             sorted({(d.source, d.license) for d in docs})]
+    used = sorted({(d.source, d.license) for d in docs})
+    infos = [known.get(name) or SourceInfo(name, lic, "documents given to build_domain") for name, lic in used]
     return write_domain(
         domain, examples, Path(out_dir or default_data_dir()), render=render or default_render(), seed=seed,
         infos=infos, fractions=fractions, settings=f", at most {max_docs} documents" if max_docs else "",

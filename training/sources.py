@@ -378,8 +378,6 @@ _FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": 
 def load_user_dataset(name_or_path: str) -> datasets.Dataset:
     """Anything `datasets` loads offline: a json/jsonl/csv/parquet/txt file, a `save_to_disk` folder,
     a folder of data files, or a dataset name in the local cache. All splits are concatenated."""
-    import datasets
-
     path = Path(name_or_path).expanduser()
     try:
         if path.is_dir():

@@ -206,6 +206,17 @@ def test_max_docs_takes_a_seeded_subset(tmp_path: Path) -> None:
     assert sum(report.documents.values()) == 10
 
 
+def test_max_docs_counts_documents_not_rows(tmp_path: Path) -> None:
+    rows = [{"doc_id": i // 3, "body": f"Part {i} of document {i // 3}. " + "word " * 40} for i in range(30)]
+    data = _jsonl(tmp_path / "parts.jsonl", rows)
+    report = corpora.build_user_domain(str(data), "general", tmp_path / "out", text_field="body", max_docs=4,
+                                       render=render)
+    assert sum(report.documents.values()) == 4 and sum(report.rows.values()) == 12
+    with pytest.raises(CorpusError, match="at least 1"):
+        corpora.build_user_domain(str(data), "general", tmp_path / "out", text_field="body", max_docs=0,
+                                  render=render)
+
+
 def test_rebuild_replaces_a_domain(tmp_path: Path) -> None:
     corpora.build_domain("dialog", tmp_path, documents=dialog_docs(40), render=render)
     corpora.build_domain("dialog", tmp_path, documents=dialog_docs(20), render=render)
