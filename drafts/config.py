@@ -1,0 +1,46 @@
+"""Shape of a FlashSpec draft: how much of the target it shares and what it adds."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+HEADS = ("mlp", "mlp_tied")
+FEATURE_INPUTS = ("none", "deep")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    shared_layers: int | None = None  # N; None = round(L / 4)
+    adapter_layers: int = 2  # A
+    head: str = "mlp"  # "mlp": fc1 h->h/2, SiLU, fc2 h/2->vocab; "mlp_tied": fc2 h/2->h, then the target's lm_head
+    feature_input: str = "none"  # "deep": the target's last hidden state at the previous position fused in
+    init_from_target: bool = True  # adapters start as copies of target layers [N, N + A)
+
+    def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"head must be one of {HEADS}, got {self.head!r}")
+        if self.feature_input not in FEATURE_INPUTS:
+            raise ValueError(f"feature_input must be one of {FEATURE_INPUTS}, got {self.feature_input!r}")
+        if self.adapter_layers < 0 or (self.shared_layers is not None and self.shared_layers < 0):
+            raise ValueError("shared_layers and adapter_layers must be >= 0")
+        if self.adapter_layers == 0 and self.feature_input == "deep":
+            raise ValueError("a deep-feature draft needs at least one adapter layer to fuse the features into")
+
+    def resolve(self, num_target_layers: int) -> "DraftConfig":
+        """Fill the default N = round(L/4) and check it fits the target."""
+        n = round(num_target_layers / 4) if self.shared_layers is None else self.shared_layers
+        if n > num_target_layers:
+            raise ValueError(f"shared_layers={n} exceeds the target's {num_target_layers} layers")
+        return dataclasses.replace(self, shared_layers=n)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DraftConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown draft config fields: {sorted(unknown)}")
+        return cls(**data)

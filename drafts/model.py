@@ -1,0 +1,105 @@
+"""The FlashSpec draft: the target's first N layers (referenced, frozen), A adapter layers, a head.
+
+The trunk is *the target's own modules*: nothing is copied, so the trunk's KV entries are the
+target's KV entries for layers [0, N). Only the adapters, the optional feature fusion, the output
+norm and the head are the draft's own (and the only tensors in its checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from drafts.config import DraftConfig
+from engine.model import DecoderLayer, RMSNorm, StepContext, Transformer
+
+
+class DraftHead(nn.Module):
+    """fc1 h->h/2, SiLU, fc2 h/2->vocab (`mlp`) or h/2->h followed by the target's frozen lm_head (`mlp_tied`)."""
+
+    def __init__(self, hidden: int, vocab: int, tied: bool) -> None:
+        super().__init__()
+        self.tied = tied
+        self.fc1 = nn.Linear(hidden, hidden // 2)
+        self.fc2 = nn.Linear(hidden // 2, hidden if tied else vocab)
+
+    def forward(self, x: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        y = self.fc2(F.silu(self.fc1(x)))
+        if self.tied:
+            # Residual around the small MLP: starts as the target's own projection of x.
+            return lm_head(x + y)
+        return y
+
+
+class DraftModel(nn.Module):
+    def __init__(self, target: Transformer, config: DraftConfig, name: str = "draft", version: str = "0") -> None:
+        super().__init__()
+        args = target.args
+        config = config.resolve(args.num_layers)
+        self.config = config
+        self.name, self.version = name, version
+        self.shared_layers = config.shared_layers
+        self.adapter_layers = config.adapter_layers
+        self.feature_input = config.feature_input
+        # Held in a list so they are neither registered nor saved: the target owns them.
+        self._target = [target]
+        h = args.hidden_size
+        self.fuse = nn.Linear(2 * h, h, bias=False) if config.feature_input == "deep" else None
+        self.adapters = nn.ModuleList(DecoderLayer(args) for _ in range(config.adapter_layers))
+        self.out_norm = RMSNorm(h, args.rms_norm_eps)
+        self.head = DraftHead(h, args.vocab_size, tied=config.head == "mlp_tied")
+        weight = target.embed_tokens.weight
+        self.to(device=weight.device, dtype=weight.dtype)
+
+    @property
+    def target(self) -> Transformer:
+        return self._target[0]
+
+    @property
+    def trunk(self) -> list[nn.Module]:
+        """The target's layers [0, N): the same module objects, not copies."""
+        return list(self.target.layers[: self.shared_layers])
+
+    def init_from_target(self) -> None:
+        """Adapters start as the target's layers [N, N+A), the norm as its final norm; fusion passes
+        the trunk state through. So the untrained draft is an early exit of the target."""
+        t = self.target
+        with torch.no_grad():
+            for i, layer in enumerate(self.adapters):
+                src = self.shared_layers + i
+                if src < t.args.num_layers:
+                    layer.load_state_dict(t.layers[src].state_dict())
+            self.out_norm.weight.copy_(t.norm.weight)
+            if self.fuse is not None:
+                h = t.args.hidden_size
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, :h].copy_(torch.eye(h))
+            self.head.fc2.weight.mul_(0.0 if self.head.tied else 1.0)
+            if self.head.tied:
+                self.head.fc2.bias.zero_()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.parameters())
+
+    # ----- the engine's Draft protocol ------------------------------------------------------
+    def adapters_forward(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, ctx: StepContext | None) -> torch.Tensor:
+        x = trunk_hidden
+        if self.fuse is not None:
+            x = self.fuse(torch.cat([trunk_hidden, features.to(trunk_hidden.dtype)], dim=-1))  # (b, T, H)
+        for i, layer in enumerate(self.adapters):
+            x = layer(x, ctx, i)
+        return x
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.out_norm(hidden), self.target.lm_head)
+
+    def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.out_norm(hidden)
+
+    # ----- training ------------------------------------------------------------------------
+    def forward_train(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, input_pos: torch.Tensor):
+        """Teacher-forced pass without a cache: (B, T, H) trunk states -> (logits (B, T, V), out (B, T, H))."""
+        ctx = self.target.context(input_pos, None)
+        out = self.adapters_forward(trunk_hidden, features, ctx)
+        return self.head_logits(out), out

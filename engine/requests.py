@@ -1,0 +1,105 @@
+"""Requests in, events out: the records the decode engine and its callers exchange."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (empty prompt, over the context, ...)."""
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    draft: str | None = None  # name of a loaded draft; None = plain autoregressive decoding
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculation figures for one request."""
+
+    rounds: int = 0  # draft-and-verify rounds (each drafts up to gamma tokens)
+    verify_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)  # accepted count at draft position i
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    emitted: int = 0  # tokens produced by rounds (accepted + recovered/bonus)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per round (accepted drafts + the recovered or bonus token)."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    def record(self, drafted: int, accepted: int, passes: int) -> None:
+        self.rounds += 1
+        self.verify_passes += passes
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
+        while len(self.drafted_by_position) < drafted:
+            self.drafted_by_position.append(0)
+            self.accepted_by_position.append(0)
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            if i < accepted:
+                self.accepted_by_position[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "verify_passes": self.verify_passes,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "tokens_per_verify_pass": round(self.emitted / self.verify_passes, 4) if self.verify_passes else 0.0,
+            "acceptance_by_position": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)
+            ],
+        }
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens this step
+    text: str  # new text this step (may lag tokens: incomplete characters / possible stop strings held back)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "cancelled"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stats: SpecStats | None = None
+    draft: str | None = None
+
+
+@dataclasses.dataclass
+class SlotState:
+    """A running request bound to one cache row."""
+
+    request: Request
+    slot: int
+    generator: torch.Generator | None
+    text_stream: object
+    eos: frozenset[int]
+    draft: object | None = None  # the draft object this request started with (kept across hot-swaps)
+    length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
+    pending: int = -1  # last produced token, not yet run through the model
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None

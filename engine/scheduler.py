@@ -1,0 +1,345 @@
+"""The decode engine: a fixed set of cache rows, requests joining and leaving between steps.
+
+`step()` admits waiting requests (one batched prefill), then advances every running request by
+one autoregressive step (rows without a draft) or one FlashSpec round (rows with a draft), and
+returns what each request produced. The service drives it in a loop; `generate()` drives it to the
+end for offline use. Rows are independent: a ragged batch gives each row what it gives alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Iterable
+
+import torch
+
+from engine.cache import KVCache, WindowedKVCache
+from engine.governor import SpeculationGovernor
+from engine.model import Transformer
+from engine.requests import Request, RequestError, RequestOutput, SlotState
+from engine.sampling import processed_probs, sample
+from engine.speculative import Draft, SpecConfig, spec_round
+from engine.text import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class DecodeEngine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer=None,
+        max_batch_size: int = 8,
+        max_seq_len: int = 2048,
+        spec: SpecConfig | None = None,
+        eos_token_ids: Iterable[int] | None = None,
+        governor: SpeculationGovernor | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec or SpecConfig()
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.margin = self.spec.num_speculative_tokens + 4  # speculative writes past a row's length
+        model.args.check_context(max_seq_len)
+        self.cache: KVCache = model.new_cache(max_batch_size, max_seq_len + self.margin)
+        self.device = self.cache.k[0].device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
+        self.drafts: dict[str, Draft] = {}
+        self.draft_cache: KVCache | None = None
+        self.slots: list[SlotState | None] = [None] * max_batch_size
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.governor = governor or SpeculationGovernor(enabled=False)
+        # Deep-feature drafts: the target's final hidden states of the last round, per cache row.
+        hidden = model.args.hidden_size
+        self._deep_ready = False
+        self._hidden = hidden
+
+    # ----- drafts -------------------------------------------------------------------------
+    def add_draft(self, name: str, draft: Draft) -> None:
+        """Register (or replace) a draft under `name`. Running requests keep the draft they started with."""
+        for other_name, other in self.drafts.items():
+            if other_name != name and other.shared_layers != draft.shared_layers:
+                raise ValueError(
+                    f"draft {name!r} shares {draft.shared_layers} target layers but {other_name!r} shares "
+                    f"{other.shared_layers}; drafts served together must share the same trunk depth"
+                )
+        if draft.shared_layers > self.model.args.num_layers:
+            raise ValueError(f"draft {name!r} shares {draft.shared_layers} layers; the target has {self.model.args.num_layers}")
+        need = draft.adapter_layers
+        if self.draft_cache is None or self.draft_cache.num_layers < need:
+            if self.draft_cache is not None and any(s is not None and s.draft is not None for s in self.slots):
+                raise ValueError(f"draft {name!r} needs {need} adapter layers, more than the running drafts' cache holds; "
+                                 "load it while no speculative request runs")
+            self.draft_cache = self._new_draft_cache(need)
+        if draft.feature_input == "deep" and not self._deep_ready:
+            b, h, w = self.max_batch_size, self._hidden, self.spec.num_speculative_tokens + 2
+            self.last_feature = torch.zeros(b, h, device=self.device, dtype=self.dtype)
+            self.round_trunk = torch.zeros(b, w, h, device=self.device, dtype=self.dtype)
+            self.round_feat = torch.zeros(b, w, h, device=self.device, dtype=self.dtype)
+            self.round_start = torch.zeros(b, dtype=torch.long, device=self.device)
+            self._deep_ready = True
+        self.drafts[name] = draft
+
+    def remove_draft(self, name: str) -> None:
+        self.drafts.pop(name, None)
+
+    def _new_draft_cache(self, layers: int) -> KVCache:
+        args = self.model.args
+        if self.spec.draft_kv_window:
+            return WindowedKVCache(layers, self.max_batch_size, args.num_kv_heads, self.spec.draft_kv_window,
+                                   args.head_dim, self.margin, self.dtype, self.device)
+        return KVCache(layers, self.max_batch_size, args.num_kv_heads, self.max_seq_len + self.margin, args.head_dim,
+                       self.dtype, self.device)
+
+    def draft_kv_len(self, kv_len: int) -> int:
+        return kv_len if not isinstance(self.draft_cache, WindowedKVCache) else self.draft_cache.max_seq_len
+
+    def memory_report(self) -> dict:
+        """Bytes held by the target cache, the draft cache and the drafts' own weights."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        draft_weights = {n: sum(p.numel() * p.element_size() for p in d.trainable_parameters())
+                         for n, d in self.drafts.items() if hasattr(d, "trainable_parameters")}
+        return {
+            "target_weights": weights,
+            "target_cache": self.cache.nbytes,
+            "target_cache_bytes_per_token": self.cache.bytes_per_token,
+            "draft_cache": self.draft_cache.nbytes if self.draft_cache is not None else 0,
+            "draft_weights": draft_weights,
+        }
+
+    # ----- requests -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty: give at least one token of text")
+        if n >= self.max_seq_len:
+            raise RequestError(f"prompt has {n} tokens; this engine's context is {self.max_seq_len} "
+                               "(prompt plus at least one new token)")
+        vocab = self.model.args.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if request.draft is not None and request.draft not in self.drafts:
+            raise RequestError(f"draft {request.draft!r} is not loaded; loaded: {sorted(self.drafts) or 'none'}")
+        self.waiting.append(request)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a waiting or running request; its cache row is free for the next step."""
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return True
+        for i, s in enumerate(self.slots):
+            if s is not None and s.request.request_id == request_id:
+                self.slots[i] = None
+                return True
+        return False
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.num_running > 0
+
+    # ----- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        admitted = self._admit()
+        outputs.extend(admitted)
+        running = [s for s in self.slots if s is not None and s.request.request_id not in
+                   {o.request_id for o in admitted if o.finished}]
+        ar_rows = [s for s in running if s.draft is None]
+        spec_rows = [s for s in running if s.draft is not None]
+        if ar_rows:
+            t0 = time.perf_counter()
+            new = self._ar_step(ar_rows)
+            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, len(ar_rows))
+            for s, tok in zip(ar_rows, new):
+                s.length += 1
+                outputs.append(self._commit(s, [tok]))
+        if spec_rows:
+            t0 = time.perf_counter()
+            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
+            elapsed = time.perf_counter() - t0
+            for i, s in enumerate(spec_rows):
+                s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
+                s.length += result.num_accepted[i] + 1
+                outputs.append(self._commit(s, result.tokens[i]))
+            tokens = sum(len(t) for t in result.tokens)
+            for name in {s.request.draft for s in spec_rows}:
+                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
+        return outputs
+
+    def _admit(self) -> list[RequestOutput]:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        batch: list[SlotState] = []
+        while free and self.waiting:
+            req = self.waiting.popleft()
+            slot = free.pop(0)
+            gen = None
+            if req.params.seed is not None:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(req.params.seed)
+            draft = self.drafts.get(req.draft) if req.draft is not None else None
+            if draft is not None and not self.governor.allow(req.draft):
+                draft = None  # speculation does not pay for this draft right now: plain decoding
+            eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
+            stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
+            state = SlotState(req, slot, gen, stream, eos, draft=draft)
+            self.slots[slot] = state
+            self._reset_row(slot)
+            batch.append(state)
+        if not batch:
+            return []
+        return self._prefill(batch)
+
+    def _reset_row(self, slot: int) -> None:
+        if isinstance(self.draft_cache, WindowedKVCache):
+            self.draft_cache.reset(torch.tensor([slot], device=self.device))
+
+    def _prefill(self, batch: list[SlotState]) -> list[RequestOutput]:
+        model, device = self.model, self.device
+        lens = [len(s.request.prompt_ids) for s in batch]
+        t_max = max(lens)
+        tokens = torch.zeros(len(batch), t_max, dtype=torch.long, device=device)
+        for i, s in enumerate(batch):
+            tokens[i, : lens[i]] = torch.tensor(s.request.prompt_ids, device=device)
+        pos = torch.arange(t_max, device=device)[None].expand(len(batch), -1)
+        rows = torch.tensor([s.slot for s in batch], device=device)
+        last = torch.tensor(lens, device=device) - 1
+        spec = [i for i, s in enumerate(batch) if s.draft is not None]
+        n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
+        ctx = model.context(pos, self.cache, rows, t_max)
+        trunk = model(tokens, pos, layers=range(0, n_trunk), cache=self.cache, rows=rows, ctx=ctx).hidden
+        out = model(None, pos, layers=range(n_trunk, model.args.num_layers), hidden=trunk, cache=self.cache,
+                    rows=rows, logits_index=last, ctx=ctx)
+        first = self._sample(batch, out.logits[:, 0])
+        if spec:
+            self._prefill_drafts([batch[i] for i in spec], trunk[spec], out.hidden[spec], pos[spec], last[spec], t_max)
+        results = []
+        for s, tok, n in zip(batch, first, lens):
+            s.length = n
+            results.append(self._commit(s, [tok]))
+        return results
+
+    def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max) -> None:
+        """Fill the adapters' KV over the prompts (the trunk's is already in the target cache)."""
+        model = self.model
+        rows = torch.tensor([s.slot for s in batch], device=self.device)
+        final = None
+        by_draft: dict[int, list[int]] = {}
+        for i, s in enumerate(batch):
+            by_draft.setdefault(id(s.draft), []).append(i)
+        for idx in by_draft.values():
+            draft = batch[idx[0]].draft
+            sel = torch.tensor(idx, device=self.device)
+            feats = None
+            if draft.feature_input == "deep":
+                if final is None:
+                    final = model.norm(hidden)  # (b, T, H) the target's final hidden states
+                # The feature at position q is the target's hidden state at q - 1 (zeros at q = 0).
+                feats = torch.cat([torch.zeros_like(final[sel, :1]), final[sel, :-1]], dim=1)
+            ctx = model.context(pos[sel], self.draft_cache, rows[sel], self.draft_kv_len(t_max))
+            draft.adapters_forward(trunk[sel], feats, ctx)
+            if draft.feature_input == "deep":
+                g_rows = rows[sel]
+                ar = torch.arange(len(idx), device=self.device)
+                self.last_feature[g_rows] = final[sel][ar, last[sel]]
+                self.round_start[g_rows] = last[sel] + 1
+                self.round_feat[g_rows, 0] = self.last_feature[g_rows]
+
+    def _sample(self, batch: list[SlotState], logits: torch.Tensor) -> list[int]:
+        """One token per row from logits (b, V), each row with its own parameters and generator."""
+        if all(s.request.params.greedy for s in batch):
+            return logits.argmax(-1).tolist()
+        device = self.device
+        probs = processed_probs(
+            logits,
+            torch.tensor([s.request.params.temperature for s in batch], device=device),
+            torch.tensor([s.request.params.top_k for s in batch], device=device),
+            torch.tensor([s.request.params.top_p for s in batch], device=device),
+        )
+        return sample(probs, [s.generator for s in batch]).tolist()
+
+    def _ar_step(self, batch: list[SlotState]) -> list[int]:
+        device = self.device
+        rows = torch.tensor([s.slot for s in batch], device=device)
+        pos = torch.tensor([[s.length] for s in batch], device=device)
+        tokens = torch.tensor([[s.pending] for s in batch], device=device)
+        out = self.model(tokens, pos, cache=self.cache, rows=rows, kv_len=int(pos.max()) + 1)
+        return self._sample(batch, out.logits[:, -1])
+
+    # ----- deep-feature bookkeeping (used by spec_round) -----------------------------------
+    def deep_window(self, rows: torch.Tensor, trunk_t0: torch.Tensor, pos0: torch.Tensor):
+        """Adapter inputs re-covering last round's verified positions with the target's true features.
+
+        Returns window (g, W, H) trunk states at positions round_start .. round_start + W - 1 with the
+        pending token's trunk state placed at its position, features (g, W, H) (the target's hidden
+        state one position earlier), the pending token's index in the window (g,), positions (g, W).
+        """
+        start = self.round_start[rows]  # (g,)
+        index = pos0 - start  # (g,) in [0, W-1]
+        window = self.round_trunk[rows].clone()
+        ar = torch.arange(len(rows), device=self.device)
+        window[ar, index] = trunk_t0.to(window.dtype)
+        feats = self.round_feat[rows]
+        positions = start[:, None] + torch.arange(window.shape[1], device=self.device)[None]
+        return window, feats, index, positions
+
+    def store_deep_round(self, rows, pos0, trunk_seq, final_seq, num_accepted) -> None:
+        """Remember a round's verified trunk/target states for the next round's window."""
+        n = min(trunk_seq.shape[1], self.round_trunk.shape[1] - 1)
+        ar = torch.arange(len(rows), device=self.device)
+        self.round_trunk[rows, :n] = trunk_seq[:, :n].to(self.dtype)
+        # Features for positions pos0 .. pos0 + n: the target's hidden one position earlier.
+        self.round_feat[rows, 0] = self.last_feature[rows]
+        self.round_feat[rows, 1 : n + 1] = final_seq[:, :n].to(self.dtype)
+        self.round_start[rows] = pos0
+        self.last_feature[rows] = final_seq[ar, num_accepted].to(self.dtype)
+
+    # ----- results ------------------------------------------------------------------------
+    def _commit(self, s: SlotState, new_tokens: list[int]) -> RequestOutput:
+        """Append produced tokens, apply stop conditions, free the row when finished."""
+        params = s.request.params
+        kept: list[int] = []
+        reason = None
+        for tok in new_tokens:
+            if tok in s.eos:
+                reason = "stop"
+                break
+            kept.append(tok)
+            if len(s.output_ids) + len(kept) >= params.max_new_tokens:
+                reason = "length"
+                break
+        if s.first_token_at is None:
+            s.first_token_at = time.perf_counter()
+        s.output_ids.extend(kept)
+        if new_tokens:
+            s.pending = new_tokens[-1]
+        text = ""
+        if s.text_stream is not None:
+            text = s.text_stream.push(kept)
+            if s.text_stream.stopped:
+                reason = "stop"
+        if reason is None and s.length + 1 >= self.max_seq_len:
+            reason = "length"
+        finished = reason is not None
+        if finished and s.text_stream is not None:
+            text += s.text_stream.flush()
+        if finished:
+            self.slots[s.slot] = None
+        return RequestOutput(
+            request_id=s.request.request_id,
+            token_ids=kept,
+            text=text,
+            finished=finished,
+            finish_reason=reason,
+            prompt_tokens=len(s.request.prompt_ids),
+            completion_tokens=len(s.output_ids),
+            stats=s.stats if s.draft is not None else None,
+            draft=s.request.draft if s.draft is not None else None,
+        )

@@ -1,0 +1,224 @@
+"""FlashSpec decoding: shared-trunk drafting and block-wise verification, for a batch of rows.
+
+A draft runs the target's own layers [0, N) (its *trunk*; KV goes straight into the target cache),
+then its adapters (own small KV cache) and its head. Verification runs only layers [N, L) of the
+target, starting from the trunk hidden states the draft already computed.
+
+One round for a row whose pending token t0 sits at position p (gamma = 5, block_size = 2):
+    draft step on t0 -> trunk(t0), d1;  step on d1 -> trunk(d1), d2;  step on d2 -> trunk(d2), d3
+    verify block 1: deep layers on [t0, d1, d2] -> target distributions checking d1, d2, and (d3)
+    if d1, d2 accepted: steps on d3, d4 -> verify deep [d3, d4] (checks d3 with the carried one, d4)
+    last block: step on d5 (trunk only) -> verify deep [d5] -> d5 checked, bonus token sampled
+The round stops at the first rejection: the recovered token becomes the row's next pending token.
+Rows of a batch run the same schedule; a row that rejected early just ignores later blocks (its
+extra cache writes sit past its length, invisible, and get overwritten).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from engine.model import StepContext
+from engine.sampling import processed_probs, sample
+from engine.verify import verify_greedy, verify_sampled
+
+if TYPE_CHECKING:
+    from engine.scheduler import DecodeEngine
+
+
+class Draft(Protocol):
+    """What the decode loop needs from a draft model (drafts/ implements it)."""
+
+    name: str
+    version: str
+    shared_layers: int  # N: target layers [0, N) form the trunk
+    adapter_layers: int  # A: the draft's own decoder layers
+    feature_input: str  # "none" | "deep" (target's last hidden state at the previous position fused in)
+
+    def adapters_forward(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
+        """Adapter layers on (b, T, H) trunk hidden states (+ (b, T, H) features); writes adapter KV via ctx."""
+        ...
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(b, H) adapter output -> (b, V) draft logits."""
+        ...
+
+    def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(b, H) adapter output -> (b, H) stand-in for the target's hidden state (deep drafts)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    num_speculative_tokens: int = 5  # gamma
+    block_size: int = 2  # verify as soon as this many tokens are drafted; == gamma: one verify per round
+    draft_kv_window: int | None = None  # adapters attend only the last W positions (ring-buffer cache)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.block_size:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.draft_kv_window is not None and self.draft_kv_window < 1:
+            raise ValueError(f"draft_kv_window must be >= 1 or unset, got {self.draft_kv_window}")
+
+    def blocks(self) -> list[int]:
+        gamma, k = self.num_speculative_tokens, min(self.block_size, self.num_speculative_tokens)
+        return [min(k, gamma - start) for start in range(0, gamma, k)]
+
+
+@dataclasses.dataclass
+class RoundResult:
+    tokens: list[list[int]]  # per row: accepted drafts then the recovered/bonus token
+    num_accepted: list[int]
+    drafted: list[int]  # tokens drafted for the row before its round ended
+    verify_passes: list[int]
+
+
+class _Groups:
+    """Rows of the batch grouped by the draft they use: adapters and head run once per group."""
+
+    def __init__(self, drafts: list[Draft], device: torch.device) -> None:
+        self.items: list[tuple[Draft, torch.Tensor]] = []
+        order: dict[int, list[int]] = {}
+        by_id: dict[int, Draft] = {}
+        for i, d in enumerate(drafts):
+            order.setdefault(id(d), []).append(i)
+            by_id[id(d)] = d
+        for key, idx in order.items():
+            self.items.append((by_id[key], torch.tensor(idx, device=device)))
+
+
+def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig) -> RoundResult:
+    """One draft-and-verify round for the given slot states (all with a draft). Mutates the caches."""
+    model = eng.model
+    device = eng.device
+    b = len(slots)
+    rows = torch.tensor([s.slot for s in slots], device=device)
+    n_trunk = drafts[0].shared_layers
+    pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
+    pending = torch.tensor([s.pending for s in slots], device=device)
+    greedy = all(s.request.params.greedy for s in slots)
+    gens = [s.generator for s in slots]
+    temperature = torch.tensor([s.request.params.temperature for s in slots], device=device)
+    draft_temperature = torch.tensor(
+        [s.request.params.draft_temperature if s.request.params.draft_temperature is not None
+         else s.request.params.temperature for s in slots], device=device)
+    top_k = torch.tensor([s.request.params.top_k for s in slots], device=device)
+    top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
+    gamma = cfg.num_speculative_tokens
+    kv_len = int(pos0.max()) + gamma + 2
+    groups = _Groups(drafts, device)
+    deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
+
+    proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
+
+    def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
+        """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,)."""
+        trunk = model(tokens[:, None], positions[:, None], layers=range(0, n_trunk), cache=eng.cache, rows=rows,
+                      kv_len=kv_len).hidden  # (b, 1, H)
+        logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype) if with_head else None
+        for draft, idx in groups.items:
+            g_rows = rows[idx]
+            if not with_head and draft.feature_input == "deep":
+                continue  # the next round's window rewrites this position's adapter KV anyway
+            if draft.feature_input == "deep" and first:
+                # Re-run the adapters over last round's verified tokens with the target's true features.
+                window, feats, index, win_pos = eng.deep_window(g_rows, trunk[idx, 0], pos0[idx])
+                ctx = model.context(win_pos, eng.draft_cache, g_rows, eng.draft_kv_len(kv_len))
+                out = draft.adapters_forward(window, feats, ctx)  # (g, W, H)
+                out = out[torch.arange(len(idx), device=device), index]  # (g, H)
+            else:
+                feats = proxy[idx, None] if draft.feature_input == "deep" else None
+                ctx = model.context(positions[idx, None], eng.draft_cache, g_rows, eng.draft_kv_len(kv_len))
+                out = draft.adapters_forward(trunk[idx], feats, ctx)[:, 0]  # (g, H)
+            if not with_head:
+                continue  # last token of the round: its adapter KV is needed, its prediction is not
+            logits[idx] = draft.head_logits(out).to(logits.dtype)
+            if draft.feature_input == "deep":
+                proxy[idx] = draft.proxy_feature(out).to(proxy.dtype)
+        return trunk, logits
+
+    # Per-row outcome of the round.
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    final_token = torch.zeros(b, dtype=torch.long, device=device)
+    drafted = torch.zeros(b, dtype=torch.long, device=device)
+    passes = torch.zeros(b, dtype=torch.long, device=device)
+    drafted_tokens: list[torch.Tensor] = []
+    verify_trunk: list[torch.Tensor] = []  # trunk hidden states that entered verification, in order
+    verify_final: list[torch.Tensor] = []  # the target's final hidden states for them (deep drafts)
+
+    trunk, draft_logits = draft_step(pending, pos0, first=True, with_head=True)
+    queued = [trunk]  # trunk states not yet run through the deep layers
+    q_start = 0  # offset from pos0 of the first queued state
+    carry_probs = None  # target distribution carried from the previous block (checks its first token)
+    n_done = 0
+    blocks = cfg.blocks()
+    for block_no, block_len in enumerate(blocks):
+        block_tokens, block_probs = [], []
+        for j in range(block_len):
+            if greedy:
+                token = draft_logits.argmax(-1)
+                probs = None
+            else:
+                probs = processed_probs(draft_logits, draft_temperature, top_k, top_p)
+                token = sample(probs, gens)
+            block_tokens.append(token)
+            block_probs.append(probs)
+            drafted_tokens.append(token)
+            last_of_round = block_no == len(blocks) - 1 and j == block_len - 1
+            trunk, draft_logits = draft_step(token, pos0 + n_done + j + 1, first=False, with_head=not last_of_round)
+            queued.append(trunk)
+        # Verify: the deep layers on every queued trunk state, starting where the trunk left off.
+        q_hidden = torch.cat(queued, dim=1)  # (b, n_in, H); block 0: [t0, d1..dk], later: the block's k
+        n_in = q_hidden.shape[1]
+        q_pos = pos0[:, None] + q_start + torch.arange(n_in, device=device)[None]  # (b, n_in)
+        out = model(None, q_pos, layers=range(n_trunk, model.args.num_layers), hidden=q_hidden, cache=eng.cache,
+                    rows=rows, kv_len=kv_len)
+        queued = []
+        q_start += n_in
+        verify_trunk.append(q_hidden)
+        verify_final.append(out.final_hidden)
+        target_logits = out.logits  # (b, n_in, V)
+        block = torch.stack(block_tokens, dim=1)  # (b, k)
+        if greedy:
+            if carry_probs is not None:
+                target_logits = torch.cat([carry_probs, target_logits], dim=1)
+            res = verify_greedy(block, target_logits)
+            carry_next = target_logits[:, -1:]
+        else:
+            target_probs = processed_probs(target_logits, temperature, top_k, top_p)
+            if carry_probs is not None:
+                target_probs = torch.cat([carry_probs, target_probs], dim=1)
+            res = verify_sampled(block, torch.stack(block_probs, dim=1), target_probs, gens)
+            carry_next = target_probs[:, -1:]
+        live = ~done
+        passes += live.long()
+        drafted += live.long() * block_len
+        rejected = live & (res.num_accepted < block_len)
+        last_block = block_no == len(blocks) - 1
+        finishing = rejected | (live & torch.tensor(last_block, device=device))
+        num_accepted += torch.where(live, res.num_accepted, torch.zeros_like(res.num_accepted))
+        final_token = torch.where(finishing, res.next_token, final_token)
+        done |= finishing
+        carry_probs = carry_next
+        n_done += block_len
+        if bool(done.all()):
+            break
+
+    # Host side: one transfer for the whole round.
+    acc = num_accepted.tolist()
+    fin = final_token.tolist()
+    dr = drafted.tolist()
+    ps = passes.tolist()
+    all_drafted = torch.stack(drafted_tokens, dim=1).tolist()  # (b, drafted so far)
+    tokens = [all_drafted[i][: acc[i]] + [fin[i]] for i in range(b)]
+    if deep_rows:
+        trunk_seq = torch.cat(verify_trunk, dim=1)  # (b, n, H): positions pos0 .. pos0 + n - 1
+        final_seq = torch.cat(verify_final, dim=1)  # (b, n, H)
+        eng.store_deep_round(rows, pos0, trunk_seq, final_seq, num_accepted)
+    return RoundResult(tokens, acc, dr, ps)
