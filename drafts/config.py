@@ -16,6 +16,7 @@ class DraftConfig:
     head: str = "mlp"  # "mlp": fc1 h->h/2, SiLU, fc2 h/2->vocab; "mlp_tied": fc2 h/2->h, then the target's lm_head
     feature_input: str = "none"  # "deep": the target's last hidden state at the previous position fused in
     init_from_target: bool = True  # adapters start as copies of target layers [N, N + A)
+    head_vocab: int | None = None  # draft over the K most frequent tokens only (cheaper head); None = full vocab
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -24,6 +25,8 @@ class DraftConfig:
             raise ValueError(f"feature_input must be one of {FEATURE_INPUTS}, got {self.feature_input!r}")
         if self.adapter_layers < 0 or (self.shared_layers is not None and self.shared_layers < 0):
             raise ValueError("shared_layers and adapter_layers must be >= 0")
+        if self.head_vocab is not None and self.head_vocab < 2:
+            raise ValueError(f"head_vocab must be >= 2 or unset, got {self.head_vocab}")
         if self.adapter_layers == 0 and self.feature_input == "deep":
             raise ValueError("a deep-feature draft needs at least one adapter layer to fuse the features into")
 

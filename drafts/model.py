@@ -16,20 +16,31 @@ from engine.model import DecoderLayer, RMSNorm, StepContext, Transformer
 
 
 class DraftHead(nn.Module):
-    """fc1 h->h/2, SiLU, fc2 h/2->vocab (`mlp`) or h/2->h followed by the target's frozen lm_head (`mlp_tied`)."""
+    """fc1 h->h/2, SiLU, fc2 h/2->vocab (`mlp`) or h/2->h followed by the target's frozen lm_head (`mlp_tied`).
+
+    With a sub-vocabulary (the K most frequent tokens) the head scores only those K tokens: for the
+    tied head, the rows of the target's lm_head for those tokens (gathered once, then reused).
+    """
 
     def __init__(self, hidden: int, vocab: int, tied: bool) -> None:
         super().__init__()
         self.tied = tied
         self.fc1 = nn.Linear(hidden, hidden // 2)
         self.fc2 = nn.Linear(hidden // 2, hidden if tied else vocab)
+        self._sub_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lm_head: nn.Linear, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+        """Scores (..., K) over vocab_ids (or (..., V) over the whole vocabulary)."""
         y = self.fc2(F.silu(self.fc1(x)))
-        if self.tied:
-            # Residual around the small MLP: starts as the target's own projection of x.
+        if not self.tied:
+            return y
+        # Residual around the small MLP: starts as the target's own projection of x.
+        if vocab_ids is None:
             return lm_head(x + y)
-        return y
+        w = self._sub_weight
+        if w is None or w.device != lm_head.weight.device or w.dtype != lm_head.weight.dtype or w.shape[0] != len(vocab_ids):
+            w = self._sub_weight = lm_head.weight[vocab_ids].detach().clone()
+        return F.linear(x + y, w)
 
 
 class DraftModel(nn.Module):
@@ -48,7 +59,10 @@ class DraftModel(nn.Module):
         self.fuse = nn.Linear(2 * h, h, bias=False) if config.feature_input == "deep" else None
         self.adapters = nn.ModuleList(DecoderLayer(args) for _ in range(config.adapter_layers))
         self.out_norm = RMSNorm(h, args.rms_norm_eps)
-        self.head = DraftHead(h, args.vocab_size, tied=config.head == "mlp_tied")
+        k = config.head_vocab
+        self.head = DraftHead(h, k or args.vocab_size, tied=config.head == "mlp_tied")
+        # Token ids the head scores (frequency-ranked sub-vocabulary); saved with the draft.
+        self.register_buffer("vocab_ids", torch.arange(k) if k else None)
         weight = target.embed_tokens.weight
         self.to(device=weight.device, dtype=weight.dtype)
 
@@ -91,15 +105,34 @@ class DraftModel(nn.Module):
             x = layer(x, ctx, i)
         return x
 
+    def set_vocab(self, token_ids: torch.Tensor) -> None:
+        """Use these K token ids (most frequent first) as the head's sub-vocabulary."""
+        if self.vocab_ids is None or len(token_ids) != len(self.vocab_ids):
+            raise ValueError(f"expected {0 if self.vocab_ids is None else len(self.vocab_ids)} token ids, got {len(token_ids)}")
+        self.vocab_ids.copy_(token_ids.to(self.vocab_ids))
+        self.head._sub_weight = None
+
+    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., K) scores over `vocab_ids` (or (..., V) without a sub-vocabulary)."""
+        return self.head(self.out_norm(hidden), self.target.lm_head, self.vocab_ids)
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.out_norm(hidden), self.target.lm_head)
+        """(b, H) -> (b, V) logits; tokens outside the sub-vocabulary get -inf (never drafted)."""
+        scores = self.head_scores(hidden)
+        if self.vocab_ids is None:
+            return scores
+        full = scores.new_full((*scores.shape[:-1], self.target.args.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab_ids, scores)
 
     def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.out_norm(hidden)
 
     # ----- training ------------------------------------------------------------------------
     def forward_train(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, input_pos: torch.Tensor):
-        """Teacher-forced pass without a cache: (B, T, H) trunk states -> (logits (B, T, V), out (B, T, H))."""
+        """Teacher-forced pass without a cache: (B, T, H) trunk states -> (scores (B, T, K), out (B, T, H)).
+
+        Scores are over `vocab_ids` when the draft has a sub-vocabulary, else over the whole vocabulary.
+        """
         ctx = self.target.context(input_pos, None)
         out = self.adapters_forward(trunk_hidden, features, ctx)
-        return self.head_logits(out), out
+        return self.head_scores(out), out
