@@ -22,6 +22,8 @@ from pathlib import Path
 import yaml
 
 from router import templates as T
+from router.errors import InvalidRequest
+from router.features import render
 
 DOMAINS = ("code", "general", "dialog")
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
@@ -237,7 +239,8 @@ def code_examples(doc_id: str, text: str, rng: random.Random, n: int) -> Iterato
         elif r < 0.9:
             prompt = vary(rng.choice(T.CODE_CONCEPT_Q).format(
                 concept=rng.choice(T.CONCEPTS), concept2=rng.choice(T.CONCEPTS), tech=rng.choice(T.TECHS),
-                symptom=rng.choice(T.SYMPTOMS), op=rng.choice(T.OPERATIONS), name=name,
+                symptom=rng.choice(T.SYMPTOMS), op=rng.choice(T.OPERATIONS), name=name, lang=fmt["lang"],
+                property=rng.choice(T.PROPERTIES), feature=rng.choice(T.FEATURES),
                 module=doc_id.removeprefix("stdlib:").removesuffix(".py").replace("/", ".").removesuffix(".__init__"),
             ), rng)
             yield Example(as_request(prompt, rng), "code", doc_id, "code:question")
@@ -259,9 +262,9 @@ def general_examples(doc_id: str, paragraphs: list[str], rng: random.Random, n: 
     for _ in range(n):
         text = clean_rst(rng.choice(paragraphs), rng)
         r = rng.random()
-        if r < 0.2:  # raw prose completion
+        if r < 0.15:  # raw prose completion
             yield Example(text, "general", doc_id, "general:completion")
-        elif r < 0.6:
+        elif r < 0.5:
             prompt = rng.choice(T.GENERAL_WITH_TEXT).format(text=text, lang_h=rng.choice(T.HUMAN_LANGS))
             yield Example(as_request(prompt, rng), "general", doc_id, "general:text")
         else:  # an instruction about a general topic; the doc paragraph is an earlier answer
@@ -280,7 +283,12 @@ def general_examples(doc_id: str, paragraphs: list[str], rng: random.Random, n: 
 
 def general_instruction(rng: random.Random) -> str:
     a, b = rng.choice(T.PAIRS)
-    return rng.choice(T.GENERAL_NO_TEXT).format(
+    part, whole = rng.choice(T.PARTS)
+    template = rng.choice(T.FACT_Q if rng.random() < 0.35 else T.GENERAL_NO_TEXT)
+    return template.format(
+        invention=rng.choice(T.INVENTIONS), book=rng.choice(T.BOOKS), landmark=rng.choice(T.LANDMARKS),
+        part=part, whole=whole, category=rng.choice(T.CATEGORIES), movie=rng.choice(T.MOVIES),
+        occasion=rng.choice(T.OCCASIONS), relation=rng.choice(T.RELATIONS), place2=rng.choice(T.PLACES),
         topic=rng.choice(T.TOPICS), a=a, b=b, thing=rng.choice(T.THINGS), person=rng.choice(T.PEOPLE),
         matter=rng.choice(T.MATTERS), job=rng.choice(T.JOBS), product=rng.choice(T.PRODUCTS),
         activity=rng.choice(T.ACTIVITIES), subject=rng.choice(T.SUBJECTS), event=rng.choice(T.EVENTS),
@@ -359,6 +367,7 @@ def build_examples(config: DataConfig = DataConfig()) -> list[Example]:
     examples.extend(opener_examples(rng, config.per_class // 20))
     examples.extend(chatterbot_examples(rng))
 
+    examples = [e for e in examples if _renders(e.request)]
     # Balance the domains to `per_class` each (sampling whole lists keeps groups intact).
     balanced = []
     for domain in DOMAINS:
@@ -367,6 +376,14 @@ def build_examples(config: DataConfig = DataConfig()) -> list[Example]:
         balanced.extend(of_domain[: config.per_class])
     rng.shuffle(balanced)
     return balanced
+
+
+def _renders(request: Request) -> bool:
+    try:
+        render(request)
+    except InvalidRequest:
+        return False
+    return True
 
 
 def split(examples: list[Example]) -> dict[str, list[Example]]:

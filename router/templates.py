@@ -318,7 +318,7 @@ CODE_CONCEPT_Q = (
     "What is the time complexity of {op}?", "what's the big O of {op}",
     "Is {concept} a good idea for a {tech}?", "best practices for {concept}?",
     "How does {concept} work under the hood?", "what does `{module}.{name}` do?",
-    "How do I use the {module} module?", "Explain the {module} module with examples.",
+    "How do I use the {module} module?", "Is {lang} {property}?", "does {lang} have {feature}?", "Explain the {module} module with examples.",
 )
 
 OPERATIONS = (
@@ -326,3 +326,28 @@ OPERATIONS = (
     "looking up a key in a hash map", "binary search", "deleting from a linked list",
     "heap push", "string concatenation in a loop", "set membership tests",
 )
+
+# Short factual questions and everyday writing requests: general, though they read like chat.
+FACT_Q = (
+    "What year did {event} end?", "When did {event} start?", "what year was {invention} invented",
+    "Who invented {invention}?", "Who wrote {book}?", "What's the population of {place}?",
+    "how tall is {landmark}", "Where is {landmark}?", "How many {part} are in {whole}?",
+    "What is the largest {category} in the world?", "How far is {place} from {place2}?",
+    "Recommend some good books on {subject}.", "can you recommend a few books about {topic}?",
+    "Suggest some movies like {movie}.", "What are some good podcasts about {subject}?",
+    "Write a {occasion} toast for my {relation}.", "Write a {occasion} card message for my {relation}.",
+    "Write a speech for my {relation}'s {occasion}.", "What's the tallest mountain in {country}?",
+    "Which country has the most {category}?", "What language do they speak in {country}?",
+    "Name three famous works by {figure}.", "Why is the sky blue?", "How long does it take to {activity}?",
+    "What is the boiling point of water in Fahrenheit?", "How many people live in {country}?",
+)
+INVENTIONS = ("the telephone", "the light bulb", "the printing press", "penicillin", "the airplane", "the internet", "the steam engine")
+BOOKS = ("Pride and Prejudice", "1984", "War and Peace", "The Great Gatsby", "Don Quixote", "The Odyssey", "Moby-Dick")
+LANDMARKS = ("the Eiffel Tower", "Mount Everest", "the Statue of Liberty", "Machu Picchu", "the Great Wall of China", "Big Ben")
+PARTS = (("bones", "the human body"), ("cups", "a gallon"), ("players", "a soccer team"), ("keys", "a piano"), ("days", "a leap year"))
+CATEGORIES = ("desert", "ocean", "island", "lake", "volcanoes", "time zones", "languages", "rivers")
+MOVIES = ("Inception", "The Godfather", "Amelie", "Spirited Away", "Jurassic Park")
+OCCASIONS = ("wedding", "birthday", "retirement", "graduation", "farewell", "anniversary")
+RELATIONS = ("best friend", "sister", "brother", "colleague", "parents", "grandfather", "mentor")
+PROPERTIES = ("pass by reference or by value", "statically typed", "compiled or interpreted", "garbage collected", "thread safe by default", "good for web development")
+FEATURES = ("generics", "pattern matching", "tail call optimization", "null safety", "operator overloading", "a package manager")
