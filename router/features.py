@@ -232,7 +232,7 @@ class CompactTfidfVectorizer(TfidfVectorizer):
     """
 
     def __getstate__(self):
-        state = super().__getstate__()
+        state = dict(super().__getstate__())  # a copy: the base returns the live __dict__
         state.pop("stop_words_", None)
         vocabulary = state.pop("vocabulary_", None)
         if vocabulary is not None:
