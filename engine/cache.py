@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+Rows = "torch.Tensor | slice | None"
+
 
 class KVCache:
     """Keys/values for `num_layers` layers of `batch_size` rows, `max_seq_len` positions each.
@@ -48,16 +50,23 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, rows: torch.Tensor | None, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v (B, H_kv, T, D) at positions input_pos (B, T) of cache rows `rows` (B,) (None = all)."""
+    def write(self, layer: int, rows: Rows, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (B, H_kv, T, D) at positions input_pos (B, T) of cache rows `rows`.
+
+        rows: None (rows 0..B-1), a slice of consecutive rows (a view, no copy) or a (B,) index tensor.
+        """
+        k_cache, v_cache = self.k[layer], self.v[layer]
         if rows is None:
+            rows = slice(0, k.shape[0])
+        if isinstance(rows, slice):
+            k_cache, v_cache = k_cache[rows], v_cache[rows]
             rows = torch.arange(k.shape[0], device=k.device)
         # Advanced indices separated by a slice put their dims first: target is (B, T, H_kv, D).
-        self.k[layer][rows[:, None], :, input_pos] = k.transpose(1, 2)
-        self.v[layer][rows[:, None], :, input_pos] = v.transpose(1, 2)
+        k_cache[rows[:, None], :, input_pos] = k.transpose(1, 2)
+        v_cache[rows[:, None], :, input_pos] = v.transpose(1, 2)
 
-    def read(self, layer: int, rows: torch.Tensor | None, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values (B, H_kv, kv_len, D) of the first kv_len slots of `rows` (None = all rows)."""
+    def read(self, layer: int, rows: Rows, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values (B, H_kv, kv_len, D) of the first kv_len slots of `rows` (a view unless rows is a tensor)."""
         k, v = self.k[layer], self.v[layer]
         if rows is None:
             return k[:, :, :kv_len], v[:, :, :kv_len]
@@ -106,7 +115,9 @@ class WindowedKVCache(KVCache):
 
     def visibility(self, input_pos, rows, kv_len):
         if rows is None:
-            rows = torch.arange(input_pos.shape[0], device=input_pos.device)
+            rows = slice(0, input_pos.shape[0])
+        if isinstance(rows, slice):
+            rows = torch.arange(rows.start, rows.stop, device=input_pos.device)
         # The pass about to run writes these positions in every layer: record them first.
         self.slot_pos[rows[:, None], input_pos % self.max_seq_len] = input_pos
         held = self.slot_pos[rows][:, None, None, :]  # (B, 1, 1, ring)

@@ -23,6 +23,13 @@ from engine.sampling import processed_probs, sample
 from engine.speculative import Draft, SpecConfig, spec_round
 from engine.text import TextStream
 
+
+def row_index(slots: list[int], device: torch.device):
+    """Cache rows for these slots: a slice when they are consecutive (views, no gather), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
+
 log = logging.getLogger(__name__)
 
 
@@ -209,7 +216,7 @@ class DecodeEngine:
         for i, s in enumerate(batch):
             tokens[i, : lens[i]] = torch.tensor(s.request.prompt_ids, device=device)
         pos = torch.arange(t_max, device=device)[None].expand(len(batch), -1)
-        rows = torch.tensor([s.slot for s in batch], device=device)
+        rows = row_index([s.slot for s in batch], device)
         last = torch.tensor(lens, device=device) - 1
         spec = [i for i, s in enumerate(batch) if s.draft is not None]
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
@@ -267,7 +274,7 @@ class DecodeEngine:
 
     def _ar_step(self, batch: list[SlotState]) -> list[int]:
         device = self.device
-        rows = torch.tensor([s.slot for s in batch], device=device)
+        rows = row_index([s.slot for s in batch], device)
         pos = torch.tensor([[s.length] for s in batch], device=device)
         tokens = torch.tensor([[s.pending] for s in batch], device=device)
         out = self.model(tokens, pos, cache=self.cache, rows=rows, kv_len=int(pos.max()) + 1)

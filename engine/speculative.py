@@ -97,7 +97,10 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     model = eng.model
     device = eng.device
     b = len(slots)
-    rows = torch.tensor([s.slot for s in slots], device=device)
+    from engine.scheduler import row_index
+
+    rows_t = torch.tensor([s.slot for s in slots], device=device)  # (b,) cache row of each batch row
+    rows = row_index([s.slot for s in slots], device)  # the same rows as a slice when consecutive
     n_trunk = drafts[0].shared_layers
     pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
     pending = torch.tensor([s.pending for s in slots], device=device)
@@ -122,7 +125,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                       kv_len=kv_len).hidden  # (b, 1, H)
         logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype) if with_head else None
         for draft, idx in groups.items:
-            g_rows = rows[idx]
+            g_rows = rows_t[idx]
             if not with_head and draft.feature_input == "deep":
                 continue  # the next round's window rewrites this position's adapter KV anyway
             if draft.feature_input == "deep" and first:
@@ -220,5 +223,5 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     if deep_rows:
         trunk_seq = torch.cat(verify_trunk, dim=1)  # (b, n, H): positions pos0 .. pos0 + n - 1
         final_seq = torch.cat(verify_final, dim=1)  # (b, n, H)
-        eng.store_deep_round(rows, pos0, trunk_seq, final_seq, num_accepted)
+        eng.store_deep_round(rows_t, pos0, trunk_seq, final_seq, num_accepted)
     return RoundResult(tokens, acc, dr, ps)

@@ -1,0 +1,3 @@
+from flashspec.cli import main
+
+main()
