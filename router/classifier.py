@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,15 +138,12 @@ class _LinearScorer:
     def predict_proba(self, rendered: str) -> np.ndarray:
         decision = self.intercept.copy()  # (C,)
         for analyzer, vocabulary, idf, coef_t in self.blocks:
-            counts: dict[int, int] = {}
-            for term in analyzer(rendered):
-                index = vocabulary.get(term)
-                if index is not None:
-                    counts[index] = counts.get(index, 0) + 1
-            if not counts:
+            found = [(vocabulary.get(term), n) for term, n in Counter(analyzer(rendered)).items()]
+            found = [(i, n) for i, n in found if i is not None]
+            if not found:
                 continue
-            index = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
-            weight = (1.0 + np.log(np.fromiter(counts.values(), dtype=np.float64, count=len(counts))))
+            index = np.fromiter((i for i, _ in found), dtype=np.int64, count=len(found))
+            weight = 1.0 + np.log(np.fromiter((n for _, n in found), dtype=np.float64, count=len(found)))
             weight *= idf[index]
             weight /= np.sqrt(weight @ weight)
             decision += weight @ coef_t[index]

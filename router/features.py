@@ -186,7 +186,7 @@ def shape_vector(rendered: str) -> list[float]:
     lines = body.split("\n")
     n_lines = max(len(lines), 1)
     words = body.split()
-    code_chars = sum(1 for c in body if c in _CODE_CHARS)
+    code_chars = sum(body.count(c) for c in _CODE_CHARS)
     return [
         1.0 if kind == "chat" else 0.0,
         min(math.log1p(turns) / math.log(33), 1.0),
@@ -199,8 +199,8 @@ def shape_vector(rendered: str) -> list[float]:
         sum(1 for line in lines if _CODE_LINE_RE.match(line)) / n_lines,
         sum(1 for line in lines if line.startswith(("    ", "\t"))) / n_lines,
         1.0 if "?" in body else 0.0,
-        min(sum(1 for c in body if c.isupper()) / chars * 5, 1.0),
-        min(sum(1 for c in body if c.isdigit()) / chars * 5, 1.0),
+        min(sum(map(str.isupper, body)) / chars * 5, 1.0),
+        min(sum(map(str.isdigit, body)) / chars * 5, 1.0),
         min(sum(map(len, words)) / max(len(words), 1) / 12, 1.0),
         min(n_lines / chars * 20, 1.0),
     ]
