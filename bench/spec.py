@@ -1,0 +1,101 @@
+"""Autoregressive vs FlashSpec decoding on the default model, side by side in one run.
+
+    flashspec bench spec --device cpu --draft code --domain code
+    flashspec bench spec --draft untrained:8,2,mlp_tied,none     (the seed-default shape, untrained)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from bench.ar import setup_line
+
+
+def load_bench_draft(spec: str, target):
+    """A domain name, a draft folder, or 'untrained:N,A,HEAD,FEATURE[,K]' (initialized from the target)."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    if spec.startswith("untrained:"):
+        fields = spec.split(":", 1)[1].split(",")
+        n, a, head, feature = int(fields[0]), int(fields[1]), fields[2], fields[3]
+        k = int(fields[4]) if len(fields) > 4 else None
+        draft = DraftModel(target, DraftConfig(shared_layers=n, adapter_layers=a, head=head, feature_input=feature,
+                                               head_vocab=k), name=spec)
+        draft.init_from_target()
+        return draft
+    from pathlib import Path
+
+    from drafts.checkpoint import load_draft
+    from drafts.store import DOMAINS, resolve_draft
+
+    path = resolve_draft(spec) if spec in DOMAINS else Path(spec)
+    if path is None:
+        raise SystemExit(f"error: no active draft for domain {spec!r}; train one or pass a folder")
+    return load_draft(path, target, name=spec)
+
+
+def measure(engine, prompts, params, draft_name):
+    from engine.generate import generate
+
+    tokens, seconds, drafted, accepted, rounds, emitted, outs = 0, 0.0, 0, 0, 0, 0, []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        res = generate(engine, [ids], params, draft=draft_name)[0]
+        seconds += time.perf_counter() - t0
+        tokens += len(res.token_ids)
+        outs.append(res.token_ids)
+        if res.stats is not None:
+            drafted += res.stats.drafted
+            accepted += res.stats.accepted
+            rounds += res.stats.rounds
+            emitted += res.stats.emitted
+    return {
+        "tps": tokens / seconds,
+        "mal": emitted / rounds if rounds else None,
+        "acc": accepted / drafted if drafted else None,
+        "outs": outs,
+    }
+
+
+def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code", n_prompts: int = 4,
+        max_new_tokens: int = 256, gamma: int = 5, threads: int = 0) -> list[dict]:
+    from bench.prompts import held_out_prompts
+    from engine.loading import load_model
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_model("default", device=device)
+    tok = loaded.tokenizer
+    prompts, source = held_out_prompts(tok, domain, n_prompts)
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + 8
+    ar_engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len)
+    measure(ar_engine, [prompts[0][:8]], SamplingParams(max_new_tokens=4), None)  # warm-up
+    ar = measure(ar_engine, prompts, params, None)
+    rows = [{"name": "engine AR", "tps": ar["tps"], "speedup": 1.0, "mal": None, "acc": None, "same": len(prompts)}]
+    for spec in drafts:
+        draft = load_bench_draft(spec, loaded.model)
+        for block in (2, gamma):
+            engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len, spec=SpecConfig(gamma, block))
+            engine.add_draft("d", draft)
+            r = measure(engine, prompts, params, "d")
+            same = sum(a == b for a, b in zip(r["outs"], ar["outs"]))
+            rows.append({"name": f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, "
+                                 f"{draft.config.head}, {draft.feature_input}, K={draft.config.head_vocab or 'full'}) "
+                                 f"gamma {gamma} block {block}",
+                         "tps": r["tps"], "speedup": r["tps"] / ar["tps"], "mal": r["mal"], "acc": r["acc"], "same": same})
+    print(f"setup: {setup_line(device, threads)}; SmolLM2-135M-Instruct; {source}; {max_new_tokens} new tokens, "
+          "greedy, batch 1 (prefill included)")
+    print("| path | tokens/s | speedup vs AR | mean accepted length | acceptance rate | outputs identical to AR |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        mal = f"{r['mal']:.2f}" if r["mal"] is not None else "-"
+        acc = f"{r['acc']:.2f}" if r["acc"] is not None else "-"
+        print(f"| {r['name']} | {r['tps']:.2f} | {r['speedup']:.2f}x | {mal} | {acc} | {r['same']}/{len(prompts)} |")
+    return rows
