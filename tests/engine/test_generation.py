@@ -1,0 +1,137 @@
+"""Autoregressive generation: ragged batches, rollback, seeded sampling, stop conditions."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.generate import generate, stream
+from engine.requests import Request
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+
+
+def _prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _engine(loaded, batch: int = 4, max_seq_len: int = 128) -> DecodeEngine:
+    return DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=batch, max_seq_len=max_seq_len)
+
+
+def test_ragged_batch_rows_equal_each_prompt_alone(tiny_target):
+    prompts = _prompts(tiny_target.args.vocab_size, (3, 11, 1, 25))
+    greedy = SamplingParams(max_new_tokens=20)
+    sampled = [SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=s) for s in range(4)]
+    for params in (greedy, sampled):
+        batched = generate(_engine(tiny_target), prompts, params)
+        for i, prompt in enumerate(prompts):
+            p = params[i] if isinstance(params, list) else params
+            alone = generate(_engine(tiny_target, batch=1), [prompt], p)[0]
+            assert batched[i].token_ids == alone.token_ids, f"row {i} (prompt length {len(prompt)})"
+            assert len(alone.token_ids) == 20
+
+
+def test_rows_joining_a_running_batch_are_unaffected(tiny_target):
+    """A request admitted while others are mid-generation (continuous batching) gives what it gives alone."""
+    prompts = _prompts(tiny_target.args.vocab_size, (9, 4, 14))
+    params = SamplingParams(max_new_tokens=12)
+    alone = [generate(_engine(tiny_target, batch=1), [p], params)[0].token_ids for p in prompts]
+    eng = _engine(tiny_target, batch=2)
+    eng.add_request(Request("a", prompts[0], params))
+    got = {"a": [], "b": [], "c": []}
+    for step in range(40):
+        if step == 3:
+            eng.add_request(Request("b", prompts[1], params))
+            eng.add_request(Request("c", prompts[2], params))  # waits for a free row
+        for out in eng.step():
+            got[out.request_id].extend(out.token_ids)
+        if not eng.has_work():
+            break
+    assert [got[k] for k in "abc"] == alone
+
+
+def test_generation_after_rollback_equals_generation_from_scratch(tiny_target):
+    """Re-admitting a request on a row with stale KV (prompt + part of its own output) continues exactly."""
+    prompt = _prompts(tiny_target.args.vocab_size, (10,))[0]
+    eng = _engine(tiny_target, batch=1)
+    full = generate(eng, [prompt], SamplingParams(max_new_tokens=24))[0].token_ids
+    # Same row, the cache still holds all 34 positions: generation must ignore slots past the new prompt.
+    resumed = generate(eng, [prompt + full[:8]], SamplingParams(max_new_tokens=16))[0].token_ids
+    assert resumed == full[8:]
+    # A different continuation overwrites positions 10.. that held the first one.
+    other = prompt + [(t + 1) % tiny_target.args.vocab_size for t in full[:5]]
+    fresh = generate(_engine(tiny_target, batch=1), [other], SamplingParams(max_new_tokens=10))[0].token_ids
+    assert generate(eng, [other], SamplingParams(max_new_tokens=10))[0].token_ids == fresh
+
+
+def test_cache_rollback_then_new_tokens_matches_uncached_forward(tiny_target):
+    model = tiny_target.model
+    vocab = model.args.vocab_size
+    first, second = _prompts(vocab, (20, 8), seed=5)
+    cache = model.new_cache(1, 64)
+    with torch.no_grad():
+        model(torch.tensor([first]), torch.arange(20)[None], cache=cache, kv_len=20)
+        cache.rollback(torch.tensor([0]), torch.tensor([12]))
+        assert cache.lengths.tolist() == [12]
+        # Positions 12..19 are overwritten by `second`; 20.. never written in this pass.
+        got = model(torch.tensor([second]), torch.arange(12, 20)[None], cache=cache, kv_len=20).logits
+        expected = model(torch.tensor([first[:12] + second]), torch.arange(20)[None]).logits[:, 12:]
+    assert torch.allclose(got, expected, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(tiny_target):
+    prompt = _prompts(tiny_target.args.vocab_size, (6,))[0]
+
+    def run(seed, batch_size=1):
+        params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed)
+        return generate(_engine(tiny_target, batch=batch_size), [prompt], params)[0].token_ids
+
+    a = run(1234)
+    assert run(1234) == a
+    assert run(1234, batch_size=3) == a
+    assert run(1235) != a
+    assert run(7) != a
+
+
+def test_max_new_tokens_is_exact_and_eos_stops(tiny_target):
+    prompt = _prompts(tiny_target.args.vocab_size, (7,))[0]
+    eng = _engine(tiny_target, batch=1)
+    full = generate(eng, [prompt], SamplingParams(max_new_tokens=20, eos_token_ids=()))[0]
+    assert full.finish_reason == "length" and len(full.token_ids) == 20
+    for n in (1, 2, 7):
+        result = generate(eng, [prompt], SamplingParams(max_new_tokens=n, eos_token_ids=()))[0]
+        assert result.token_ids == full.token_ids[:n] and result.finish_reason == "length"
+    # The first token whose first occurrence is at index >= 3 becomes the EOS: output stops before it.
+    cut = next(i for i, t in enumerate(full.token_ids) if i >= 3 and t not in full.token_ids[:i])
+    eos = full.token_ids[cut]
+    result = generate(eng, [prompt], SamplingParams(max_new_tokens=20, eos_token_ids=(eos,)))[0]
+    assert result.token_ids == full.token_ids[:cut]
+    assert result.finish_reason == "stop"
+
+
+def test_stop_string_cuts_text(tiny_target):
+    tok = tiny_target.tokenizer
+    prompt = _prompts(tiny_target.args.vocab_size, (7,))[0]
+    eng = _engine(tiny_target, batch=1)
+    full = generate(eng, [prompt], SamplingParams(max_new_tokens=20, eos_token_ids=()))[0]
+    assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
+    words = full.text.split(" ")
+    stop = " ".join(words[5:7])  # two words from the middle
+    cut = full.text.find(stop)
+    result = generate(eng, [prompt], SamplingParams(max_new_tokens=20, eos_token_ids=(), stop=(stop,)))[0]
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[:cut]
+
+
+def test_stream_yields_deltas_that_add_up(tiny_target):
+    prompt = _prompts(tiny_target.args.vocab_size, (5,))[0]
+    eng = _engine(tiny_target, batch=2)
+    params = SamplingParams(max_new_tokens=15, eos_token_ids=())
+    whole = generate(eng, [prompt], params)[0]
+    outs = list(stream(eng, prompt, params))
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    assert sum((o.token_ids for o in outs), []) == whole.token_ids
+    assert "".join(o.text for o in outs) == whole.text
+    assert outs[-1].completion_tokens == 15
+    assert not eng.has_work()
