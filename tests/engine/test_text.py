@@ -1,0 +1,64 @@
+"""TextStream: deltas add up to the text, stop strings cut it and never leak in part."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.text import TextStream
+
+
+class ByteTokenizer:
+    """Token id = one byte; decoding an incomplete UTF-8 sequence gives U+FFFD, as real tokenizers do."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _push_all(stream: TextStream, ids: list[int], chunk: int = 1) -> list[str]:
+    return [stream.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [stream.flush()]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_deltas_add_up_and_hold_back_partial_characters(chunk):
+    text = "héllo wörld ✓ done"
+    ids = list(text.encode())
+    stream = TextStream(ByteTokenizer())
+    deltas = _push_all(stream, ids, chunk)
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+@pytest.mark.parametrize(
+    "text, stop, expected",
+    [
+        ("abc STOP def", ("STOP",), "abc "),
+        ("abc STO STOP", ("STOP",), "abc STO "),  # a false start, released once it cannot match
+        ("aXYb XYZ", ("XYZ", "b X"), "aXY"),  # the earliest of several stop strings wins
+        ("no stop here", ("STOP",), "no stop here"),
+        ("STOP at once", ("STOP",), ""),
+        ("ends with ST", ("STOP",), "ends with ST"),  # a partial stop string at the end is real text
+    ],
+)
+def test_stop_strings_cut_text_and_never_leak(text, stop, expected, chunk):
+    stream = TextStream(ByteTokenizer(), stop)
+    ids = list(text.encode())
+    emitted = ""
+    for i in range(0, len(ids), chunk):
+        emitted += stream.push(ids[i : i + chunk])
+        assert expected.startswith(emitted), f"leaked {emitted!r} (final text {expected!r})"
+        if stream.stopped:
+            break
+    emitted += stream.flush()
+    assert emitted == expected
+    assert stream.stopped == (expected != text)
+    assert stream.push(list(b"more")) == "" or not stream.stopped
+
+
+def test_word_tokenizer_stream(tiny):
+    tok = tiny.make_tokenizer(32)
+    ids = [5, 6, 7, 5, 8, 9]
+    stream = TextStream(tok, ("w5 w8",))
+    deltas = _push_all(stream, ids)
+    assert "".join(deltas) == "w5 w6 w7 "
+    assert stream.stopped
