@@ -62,14 +62,19 @@ def main() -> None:
     for request in requests[:200]:
         classifier.predict(request)
     gc.collect()
-    latencies = np.empty(len(requests))
+    latencies = np.empty(len(requests))  # wall clock
+    cpu = np.empty(len(requests))  # this thread's CPU time: the same work, minus waiting for a core
     for i, request in enumerate(requests):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         classifier.predict(request)
         latencies[i] = (time.perf_counter() - start) * 1000.0
+        cpu[i] = (time.thread_time() - start_cpu) * 1000.0
     p50, p99 = np.percentile(latencies, [50, 99])
-    print(f"latency over {len(requests)} single requests: p50 {p50:.3f} ms, p99 {p99:.3f} ms, "
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"latency over {len(requests)} single requests (wall): p50 {p50:.3f} ms, p99 {p99:.3f} ms, "
           f"max {latencies.max():.3f} ms (goal p99 <= 2 ms: {'met' if p99 <= 2.0 else 'NOT met'})")
+    c50, c99 = np.percentile(cpu, [50, 99])
+    print(f"CPU time per request: p50 {c50:.3f} ms, p99 {c99:.3f} ms")
 
 
 if __name__ == "__main__":
