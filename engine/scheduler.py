@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from engine.cache import KVCache, WindowedKVCache
+from engine.cuda_graphs import GraphCache
 from engine.governor import SpeculationGovernor
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
@@ -43,7 +44,9 @@ class DecodeEngine:
         spec: SpecConfig | None = None,
         eos_token_ids: Iterable[int] | None = None,
         governor: SpeculationGovernor | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -54,6 +57,8 @@ class DecodeEngine:
         self.cache: KVCache = model.new_cache(max_batch_size, max_seq_len + self.margin)
         self.device = self.cache.k[0].device
         self.dtype = model.embed_tokens.weight.dtype
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = GraphCache(enabled=use_graphs)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
         self.draft_cache: KVCache | None = None
@@ -277,8 +282,63 @@ class DecodeEngine:
         rows = row_index([s.slot for s in batch], device)
         pos = torch.tensor([[s.length] for s in batch], device=device)
         tokens = torch.tensor([[s.pending] for s in batch], device=device)
-        out = self.model(tokens, pos, cache=self.cache, rows=rows, kv_len=int(pos.max()) + 1)
-        return self._sample(batch, out.logits[:, -1])
+        _, _, logits = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows, int(pos.max()) + 1)
+        return self._sample(batch, logits[:, -1])
+
+    # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
+    def kv_bucket(self, kv_len: int) -> int:
+        """Slots to attend: exact on CPU; rounded up to a multiple of 64 with graphs (fewer shapes to capture)."""
+        if not self.graphs.enabled:
+            return kv_len
+        return min(-(-kv_len // 64) * 64, self.cache.max_seq_len)
+
+    def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int):
+        """Target layers `layers` on tokens (b, T) or hidden (b, T, H) -> (hidden, final_hidden, logits)."""
+        kv_len = self.kv_bucket(kv_len)
+        if self.graphs.enabled and isinstance(rows, slice):
+            key = ("target", layers.start, layers.stop, rows.start, rows.stop, kv_len)
+            model, cache = self.model, self.cache
+
+            def fn(input_pos, tokens=None, hidden=None):
+                out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len)
+                return out.hidden, out.final_hidden, out.logits
+
+            inputs = {"input_pos": input_pos}
+            inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
+            return self.graphs.run(key, fn, inputs)
+        out = self.model(tokens, input_pos, layers=layers, hidden=hidden, cache=self.cache, rows=rows, kv_len=kv_len)
+        return out.hidden, out.final_hidden, out.logits
+
+    def run_draft(self, draft, trunk_hidden, features, input_pos, rows, kv_len: int, pick=None, with_head: bool = True):
+        """Adapters (+ head) of one draft -> (out (g, H), logits (g, V) or None, proxy feature (g, H) or None).
+
+        trunk_hidden/features (g, T, H) at input_pos (g, T); `pick` (g,) selects one position per row
+        for the head (None: T must be 1).
+        """
+        kv_len = self.draft_kv_len(self.kv_bucket(kv_len))
+        model, cache = self.model, self.draft_cache
+
+        def fn(trunk_hidden, input_pos, features=None, pick=None):
+            ctx = model.context(input_pos, cache, rows, kv_len)
+            out = draft.adapters_forward(trunk_hidden, features, ctx)  # (g, T, H)
+            if pick is None:
+                out = out[:, 0]
+            else:
+                out = out[torch.arange(out.shape[0], device=out.device), pick]
+            if not with_head:
+                return out, None, None
+            proxy = draft.proxy_feature(out) if draft.feature_input == "deep" else None
+            return out, draft.head_logits(out), proxy
+
+        inputs = {"trunk_hidden": trunk_hidden, "input_pos": input_pos}
+        if features is not None:
+            inputs["features"] = features
+        if pick is not None:
+            inputs["pick"] = pick
+        if self.graphs.enabled and isinstance(rows, slice):
+            key = ("draft", id(draft), rows.start, rows.stop, kv_len, with_head)
+            return self.graphs.run(key, fn, inputs)
+        return fn(**inputs)
 
     # ----- deep-feature bookkeeping (used by spec_round) -----------------------------------
     def deep_window(self, rows: torch.Tensor, trunk_t0: torch.Tensor, pos0: torch.Tensor):

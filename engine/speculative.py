@@ -79,17 +79,22 @@ class RoundResult:
 
 
 class _Groups:
-    """Rows of the batch grouped by the draft they use: adapters and head run once per group."""
+    """Rows of the batch grouped by the draft they use: adapters and head run once per group.
 
-    def __init__(self, drafts: list[Draft], device: torch.device) -> None:
-        self.items: list[tuple[Draft, torch.Tensor]] = []
+    items: (draft, batch indices (g,), cache rows of those indices: a slice when consecutive).
+    """
+
+    def __init__(self, drafts: list[Draft], slots: list[int], device: torch.device) -> None:
+        from engine.scheduler import row_index
+
+        self.items: list[tuple[Draft, torch.Tensor, object]] = []
         order: dict[int, list[int]] = {}
         by_id: dict[int, Draft] = {}
         for i, d in enumerate(drafts):
             order.setdefault(id(d), []).append(i)
             by_id[id(d)] = d
         for key, idx in order.items():
-            self.items.append((by_id[key], torch.tensor(idx, device=device)))
+            self.items.append((by_id[key], torch.tensor(idx, device=device), row_index([slots[i] for i in idx], device)))
 
 
 def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig) -> RoundResult:
@@ -114,35 +119,31 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
     gamma = cfg.num_speculative_tokens
     kv_len = int(pos0.max()) + gamma + 2
-    groups = _Groups(drafts, device)
+    groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
 
     proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
 
     def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
         """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,)."""
-        trunk = model(tokens[:, None], positions[:, None], layers=range(0, n_trunk), cache=eng.cache, rows=rows,
-                      kv_len=kv_len).hidden  # (b, 1, H)
+        trunk, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
         logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype) if with_head else None
-        for draft, idx in groups.items:
-            g_rows = rows_t[idx]
+        for draft, idx, g_rows in groups.items:
             if not with_head and draft.feature_input == "deep":
                 continue  # the next round's window rewrites this position's adapter KV anyway
             if draft.feature_input == "deep" and first:
                 # Re-run the adapters over last round's verified tokens with the target's true features.
-                window, feats, index, win_pos = eng.deep_window(g_rows, trunk[idx, 0], pos0[idx])
-                ctx = model.context(win_pos, eng.draft_cache, g_rows, eng.draft_kv_len(kv_len))
-                out = draft.adapters_forward(window, feats, ctx)  # (g, W, H)
-                out = out[torch.arange(len(idx), device=device), index]  # (g, H)
+                window, feats, index, win_pos = eng.deep_window(rows_t[idx], trunk[idx, 0], pos0[idx])
+                out, g_logits, g_proxy = eng.run_draft(draft, window, feats, win_pos, g_rows, kv_len, pick=index)
             else:
                 feats = proxy[idx, None] if draft.feature_input == "deep" else None
-                ctx = model.context(positions[idx, None], eng.draft_cache, g_rows, eng.draft_kv_len(kv_len))
-                out = draft.adapters_forward(trunk[idx], feats, ctx)[:, 0]  # (g, H)
+                out, g_logits, g_proxy = eng.run_draft(draft, trunk[idx], feats, positions[idx, None], g_rows, kv_len,
+                                                       with_head=with_head)
             if not with_head:
                 continue  # last token of the round: its adapter KV is needed, its prediction is not
-            logits[idx] = draft.head_logits(out).to(logits.dtype)
-            if draft.feature_input == "deep":
-                proxy[idx] = draft.proxy_feature(out).to(proxy.dtype)
+            logits[idx] = g_logits.to(logits.dtype)
+            if g_proxy is not None:
+                proxy[idx] = g_proxy.to(proxy.dtype)
         return trunk, logits
 
     # Per-row outcome of the round.
@@ -180,13 +181,12 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         q_hidden = torch.cat(queued, dim=1)  # (b, n_in, H); block 0: [t0, d1..dk], later: the block's k
         n_in = q_hidden.shape[1]
         q_pos = pos0[:, None] + q_start + torch.arange(n_in, device=device)[None]  # (b, n_in)
-        out = model(None, q_pos, layers=range(n_trunk, model.args.num_layers), hidden=q_hidden, cache=eng.cache,
-                    rows=rows, kv_len=kv_len)
+        _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), q_hidden,
+                                                        rows, kv_len)  # target_logits (b, n_in, V)
         queued = []
         q_start += n_in
         verify_trunk.append(q_hidden)
-        verify_final.append(out.final_hidden)
-        target_logits = out.logits  # (b, n_in, V)
+        verify_final.append(final_hidden)
         block = torch.stack(block_tokens, dim=1)  # (b, k)
         if greedy:
             if carry_probs is not None:
