@@ -1,0 +1,118 @@
+"""The service's configuration: the serve config YAML's `args` and the Generator's `user_config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Domain = Literal["code", "general", "dialog"]
+DEPLOYMENTS = ("Ingress", "Router", "Generator")
+
+
+class AppArgs(BaseModel):
+    """`applications[].args` of the serve config: what the app loads and how big it is."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("default", description="Target model: 'default' (embedded SmolLM2-135M), an HF folder or a .gguf file.")
+    device: str = Field("cpu", description="'cpu' or 'cuda' for the Generator's target and drafts.")
+    dtype: str = Field("auto", description="Weights dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16.")
+    draft_store: str | None = Field(None, description="Draft store root; null: $FLASHSPEC_HOME/store (then the shipped demo drafts).")
+    draft_source: str | None = Field(
+        None, description="Import path 'module:function' of a draft factory (target, domain, version) -> draft; "
+                          "null: load versions from the draft store.")
+    router_model: str | None = Field(None, description="Router classifier (.skops); null: the shipped router model.")
+    router_threshold: float = Field(0.5, ge=0.0, le=1.0, description="Below this router confidence the fallback domain is used.")
+    router_fallback: Domain = Field("general", description="Domain used when the router is not confident.")
+    tenants_file: str | None = Field(None, description="Tenant policy YAML; null: env FLASHSPEC_TENANTS_FILE, else open mode.")
+    max_batch_size: int = Field(8, ge=1, le=256, description="Requests decoded together by one Generator replica.")
+    max_queue: int = Field(64, ge=0, description="Requests waiting beyond the batch per replica; more get 503.")
+    max_seq_len: int = Field(2048, ge=16, description="Context per request (prompt + completion) in tokens.")
+    max_tokens_cap: int = Field(1024, ge=1, description="Largest max_tokens a request may ask for; above it: 400.")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
+    num_speculative_tokens: int = Field(5, ge=1, le=16, description="Draft tokens per FlashSpec round (gamma).")
+    block_size: int = Field(2, ge=1, le=16, description="Drafted tokens verified together.")
+    governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "cpu" and not value.startswith("cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {value!r}")
+        return value
+
+
+class GeneratorUserConfig(BaseModel):
+    """The Generator's `user_config`, applied by `reconfigure` without a replica restart."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    drafts: dict[Domain, str] = Field(
+        default_factory=dict,
+        description="Active draft version per domain ('latest' = newest in the store); a domain left out runs without a draft.")
+
+
+class Deployment(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="Ingress, Router or Generator.")
+    num_replicas: int | Literal["auto"] | None = Field(None, description="Fixed replica count (or 'auto').")
+    autoscaling_config: dict | None = Field(None, description="Ray Serve autoscaling bounds (min/max_replicas, ...).")
+    ray_actor_options: dict = Field(default_factory=dict, description="num_cpus / num_gpus per replica.")
+    user_config: dict | None = Field(None, description="Generator only: GeneratorUserConfig.")
+
+    def options(self) -> dict:
+        """Keyword arguments for `Deployment.options`."""
+        out = {k: v for k, v in self.model_dump(exclude={"name"}).items() if v is not None and v != {}}
+        if self.num_replicas is None:
+            out.pop("num_replicas", None)
+        return out
+
+
+class Application(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(description="Application name.")
+    route_prefix: str = Field("/", description="HTTP route prefix.")
+    import_path: str = Field(description="services.app:app_builder")
+    args: AppArgs = Field(default_factory=AppArgs, description="App arguments.")
+    deployments: list[Deployment] = Field(default_factory=list, description="Per-deployment options.")
+
+    @field_validator("deployments")
+    @classmethod
+    def _known(cls, value: list[Deployment]) -> list[Deployment]:
+        for d in value:
+            if d.name not in DEPLOYMENTS:
+                raise ValueError(f"unknown deployment {d.name!r}; the app has {', '.join(DEPLOYMENTS)}")
+            if d.name == "Generator" and d.user_config is not None:
+                GeneratorUserConfig.model_validate(d.user_config)
+        return value
+
+    def deployment_options(self) -> dict[str, dict]:
+        return {d.name: d.options() for d in self.deployments}
+
+
+class ServeConfig(BaseModel):
+    """The whole serve config file (the subset this app reads; Ray Serve validates the rest)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    http_options: dict = Field(default_factory=dict, description="host / port of the HTTP proxy.")
+    applications: list[Application] = Field(min_length=1, description="Applications; this project ships one.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ServeConfig":
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"serve config {path} not found; pass --config services/serve_config.yaml") from None
+        except yaml.YAMLError as exc:
+            raise ValueError(f"serve config {path} is not valid YAML: {exc}") from None
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ValueError(f"serve config {path} is invalid:\n{exc}") from None

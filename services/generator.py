@@ -1,0 +1,259 @@
+"""The Generator deployment: the target, every active domain draft and the continuous-batching loop.
+
+Drafts live here with the target because they share its first layers and its KV cache. Draft
+versions come from `user_config` (`reconfigure`) and from the admin endpoint (through the draft
+registry); a new version is loaded and checked before it replaces the old one, and running
+requests keep the draft object they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+from ray import serve
+
+from engine.requests import Request
+from engine.sampling import SamplingParams
+from services.batcher import EngineLoop, QueueFull, StreamError
+from services.config import AppArgs, GeneratorUserConfig
+from services.drafts import DraftRefused, import_factory, load_checked, store_factory
+from services.prompts import chat_prompt_ids, completion_prompt_ids
+
+log = logging.getLogger(__name__)
+POLL_S = 0.25
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (unit use)
+        return uuid.uuid4().hex[:8]
+
+
+def _app_name() -> str:
+    try:
+        return serve.get_replica_context().app_name
+    except Exception:
+        return "local"
+
+
+def error_item(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"type": "error", "status": status, "message": message, "code": code, "param": param}
+
+
+class GeneratorCore:
+    """Model, drafts and engine loop of one replica (the deployment class wraps it)."""
+
+    def __init__(self, args: AppArgs, registry=None) -> None:
+        self.args = args
+        self.replica = _replica_id()
+        self.loaded = threading.Event()
+        self.load_error: str | None = None
+        self.versions: dict[str, str] = {}  # domain -> active version
+        self.refusals: dict[str, str] = {}  # domain -> why the last activation was refused
+        self._desired: GeneratorUserConfig | None = None
+        self._swap = threading.Lock()
+        self.factory = import_factory(args.draft_source) if args.draft_source else store_factory(args.draft_store)
+        self.registry = registry
+        self._registry_seq = 0
+        self.loop: EngineLoop | None = None
+        threading.Thread(target=self._load, name="model-load", daemon=True).start()
+
+    # ----- start-up ------------------------------------------------------------------------
+    def _load(self) -> None:
+        from engine.governor import SpeculationGovernor
+        from engine.loading import load_model
+        from engine.scheduler import DecodeEngine
+        from engine.speculative import SpecConfig
+
+        try:
+            loaded = load_model(self.args.model, device=self.args.device, dtype=self.args.dtype,
+                                max_seq_len=self.args.max_seq_len)
+            spec = SpecConfig(num_speculative_tokens=self.args.num_speculative_tokens,
+                              block_size=min(self.args.block_size, self.args.num_speculative_tokens))
+            engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
+                                  max_seq_len=self.args.max_seq_len, spec=spec,
+                                  governor=SpeculationGovernor(enabled=self.args.governor))
+        except Exception as exc:  # reported by /health; the replica stays up to say why
+            log.exception("model load failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.model_name = loaded.name
+        self.target, self.tokenizer = loaded.model, loaded.tokenizer
+        self.loop = EngineLoop(engine, self.args.max_queue)
+        self.loaded.set()
+        if self._desired is not None:
+            self.apply_user_config(self._desired)
+        if self.registry is not None:
+            threading.Thread(target=self._poll_registry, name="draft-registry", daemon=True).start()
+
+    # ----- drafts --------------------------------------------------------------------------
+    def apply_user_config(self, config: GeneratorUserConfig) -> dict[str, str]:
+        """Activate every domain's version (refused ones keep the old); drop domains left out."""
+        self._desired = config
+        if not self.loaded.is_set():
+            return {}
+        results = {}
+        for domain, version in config.drafts.items():
+            if self.versions.get(domain) != version:
+                try:
+                    results[domain] = self.activate(domain, version)
+                except DraftRefused as exc:
+                    results[domain] = f"refused: {exc}"
+        for domain in set(self.versions) - set(config.drafts):
+            self.loop.call(lambda eng, d=domain: eng.remove_draft(d)).result()
+            self.versions.pop(domain, None)
+            results[domain] = "removed"
+        return results
+
+    def activate(self, domain: str, version: str) -> str:
+        """Load, check and swap in one domain's draft; 'ok' or raises DraftRefused (old version stays)."""
+        if not self.loaded.is_set():
+            raise DraftRefused("the model is still loading; retry when /health is ready")
+        with self._swap:
+            try:
+                draft = load_checked(self.factory, self.target, domain, version)
+                self.loop.call(lambda eng: eng.add_draft(domain, draft)).result(timeout=120)
+            except DraftRefused as exc:
+                self.refusals[domain] = str(exc)
+                log.warning("refused draft %s/%s: %s", domain, version, exc)
+                raise
+            except ValueError as exc:  # the engine refuses an incompatible draft
+                self.refusals[domain] = f"draft {domain}/{version} refused: {exc}"
+                raise DraftRefused(self.refusals[domain]) from exc
+            self.versions[domain] = version
+            self.refusals.pop(domain, None)
+            log.info("draft %s/%s active on replica %s", domain, version, self.replica)
+            return "ok"
+
+    def _poll_registry(self) -> None:
+        import ray
+
+        while True:
+            try:
+                entries = ray.get(self.registry.poll.remote(self.replica, self._registry_seq), timeout=10)
+                for seq, domain, version in entries:
+                    try:
+                        self.activate(domain, version)
+                        ok, message = True, "ok"
+                    except DraftRefused as exc:
+                        ok, message = False, str(exc)
+                    self._registry_seq = max(self._registry_seq, seq)
+                    ray.get(self.registry.ack.remote(self.replica, seq, ok, message, self.versions.get(domain, "")))
+            except Exception:  # the registry restarts or is slow: try again next round
+                log.exception("draft registry poll failed")
+            time.sleep(POLL_S)
+
+    # ----- requests ------------------------------------------------------------------------
+    def info(self) -> dict:
+        out = {"ready": self.loaded.is_set(), "error": self.load_error, "replica": self.replica,
+               "drafts": dict(self.versions), "refused": dict(self.refusals)}
+        if self.loop is not None:
+            eng = self.loop.engine
+            out.update(model=self.model_name, running=eng.num_running, waiting=len(eng.waiting),
+                       in_flight=self.loop.in_flight, max_batch_size=eng.max_batch_size,
+                       steps=self.loop.steps, cache_bytes=eng.memory_report()["target_cache"])
+        return out
+
+    def _prepare(self, req: dict) -> tuple[Request, dict] | dict:
+        """The engine request for an API request, or an error item."""
+        try:
+            if req.get("messages") is not None:
+                prompt_ids = chat_prompt_ids(self.tokenizer, req["messages"])
+                param = "messages"
+            else:
+                prompt_ids = completion_prompt_ids(self.tokenizer, req["prompt"])
+                param = "prompt"
+        except Exception as exc:
+            return error_item(400, f"cannot render the prompt: {exc}", "invalid_prompt")
+        if len(prompt_ids) >= self.args.max_seq_len:
+            return error_item(400, f"prompt has {len(prompt_ids)} tokens; this model's context is "
+                              f"{self.args.max_seq_len} (prompt plus at least one new token): shorten it",
+                              "context_length_exceeded", param)
+        stop = req.get("stop") or ()
+        try:
+            params = SamplingParams(
+                max_new_tokens=req["max_tokens"], temperature=req.get("temperature", 1.0), top_p=req.get("top_p", 1.0),
+                top_k=req.get("top_k", 0), seed=req.get("seed"), stop=tuple([stop] if isinstance(stop, str) else stop))
+        except ValueError as exc:
+            return error_item(400, str(exc), "invalid_sampling_params")
+        domain = req.get("domain")
+        use_draft = bool(req.get("speculation", True)) and domain in self.versions
+        draft = domain if use_draft else None
+        meta = {"prompt_tokens": len(prompt_ids), "draft_version": self.versions.get(domain) if use_draft else None}
+        return Request(req["request_id"], prompt_ids, params, draft), meta
+
+    async def generate(self, req: dict):
+        """Async stream of dicts: {"type": "start"}, {"type": "delta"}..., or one {"type": "error"}."""
+        if not self.loaded.is_set():
+            message = f"model failed to load: {self.load_error}" if self.load_error else "the model is loading; retry shortly"
+            yield error_item(503, message, "model_not_ready")
+            return
+        prepared = self._prepare(req)
+        if isinstance(prepared, dict):
+            yield prepared
+            return
+        request, meta = prepared
+        try:
+            outputs = self.loop.submit(request)
+        except QueueFull as exc:
+            yield error_item(503, str(exc), "server_overloaded")
+            return
+        yield {"type": "start", "replica": self.replica, **meta}
+        done = False
+        try:
+            while not done:
+                item = await outputs.get()
+                if isinstance(item, StreamError):
+                    done = True
+                    yield error_item(item.status, item.message, "generation_failed" if item.status >= 500 else None)
+                    return
+                done = item.finished
+                yield {"type": "delta", "text": item.text, "tokens": len(item.token_ids), "finished": item.finished,
+                       "finish_reason": item.finish_reason, "prompt_tokens": item.prompt_tokens,
+                       "completion_tokens": item.completion_tokens,
+                       "stats": item.stats.to_dict() if item.stats is not None and item.finished else None}
+        finally:
+            if not done:  # the caller went away: free the slot
+                self.loop.cancel(request.request_id)
+
+
+@serve.deployment(name="Generator", max_ongoing_requests=256, health_check_period_s=2, health_check_timeout_s=30)
+class Generator:
+    """Serve wrapper: one GeneratorCore per replica."""
+
+    def __init__(self, args: dict) -> None:
+        from services.registry import registry_handle
+
+        self.core = GeneratorCore(AppArgs.model_validate(args), registry=registry_handle(_app_name()))
+
+    async def reconfigure(self, user_config: dict) -> None:
+        """Apply `user_config.drafts`; a refused version is logged and the old one keeps serving."""
+        config = GeneratorUserConfig.model_validate(user_config or {})
+        results = await asyncio.to_thread(self.core.apply_user_config, config)
+        for domain, result in results.items():
+            if result.startswith("refused"):
+                log.error("user_config draft for %s %s (the old version keeps serving)", domain, result)
+
+    async def activate(self, domain: str, version: str) -> dict:
+        try:
+            await asyncio.to_thread(self.core.activate, domain, version)
+            return {"ok": True, "replica": self.core.replica, "version": version}
+        except DraftRefused as exc:
+            return {"ok": False, "replica": self.core.replica, "message": str(exc),
+                    "version": self.core.versions.get(domain)}
+
+    async def info(self) -> dict:
+        return self.core.info()
+
+    async def generate(self, req: dict):
+        async for item in self.core.generate(req):
+            yield item
+
+    def check_health(self) -> None:
+        if self.core.load_error:
+            raise RuntimeError(self.core.load_error)
