@@ -1,0 +1,159 @@
+"""Distillation: a tiny target's draft learns (loss falls, real acceptance rises), resume, data and bad input."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from drafts.model import DraftModel
+from engine.config import ModelArgs
+from engine.generate import generate
+from engine.model import Transformer
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+from training.distill import (TokenData, TrainConfig, TrainError, build_draft, domain_sequences, frequent_vocab,
+                              train)
+from training.evaluate import evaluate_draft
+
+ARGS = ModelArgs(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                 num_kv_heads=2, head_dim=16, eos_token_ids=(1,), bos_token_id=0, max_position_embeddings=256)
+
+
+def tiny_target(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    model = Transformer(ARGS, max_seq_len=256).eval().requires_grad_(False)
+    with torch.no_grad():  # make the deep layers matter, so an early exit is a poor draft
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.mul_(4)
+            layer.mlp.down_proj.weight.mul_(4)
+    return model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The target and its own greedy continuations of 16 random prompts (self-distillation data)."""
+    torch.set_num_threads(1)
+    target = tiny_target()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 256, (8,), generator=gen).tolist() for _ in range(16)]
+    engine = DecodeEngine(target, None, max_batch_size=8, max_seq_len=96)
+    replies = generate(engine, prompts, SamplingParams(max_new_tokens=40))
+    seqs = [p + r.token_ids for p, r in zip(prompts, replies)]
+    return target, prompts, TokenData(seqs, [[1.0] * len(s) for s in seqs])
+
+
+def config(tmp_path, **kw) -> TrainConfig:
+    base = dict(domain="code", shared_layers=1, adapter_layers=1, head_vocab=64, steps=40, batch_size=8, seq_len=64,
+                lr_adapters=3e-3, lr_head=3e-3, warmup_steps=2, eval_every=20, save_every=20, out_dir=str(tmp_path))
+    return TrainConfig(**{**base, **kw})
+
+
+def acceptance(target, draft, prompts) -> float:
+    report = evaluate_draft(target, None, draft.eval(), prompts, max_new_tokens=24, blocks=(5,), include_ar=False,
+                            quality=False)
+    return report["mean_accepted_length"]
+
+
+@pytest.mark.parametrize("feature_input", ["deep", "none"])
+def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, feature_input):
+    target, prompts, data = setup
+    cfg = config(tmp_path, feature_input=feature_input, head_vocab=None)
+    before = acceptance(target, build_draft(target, cfg, None), prompts[:4])
+    result = train(cfg, target, data, data, progress=False)
+    after = acceptance(target, result.draft, prompts[:4])
+    first, last = result.history[0], result.history[-1]
+    assert last["loss"] < 0.5 * first["loss"]
+    assert last["eval"]["top1_by_step"][0] > first["top1_by_step"][0]
+    assert len(last["top1_by_step"]) == (2 if feature_input == "deep" else 1)  # rollout only where features exist
+    assert after > before + 0.3, (before, after)
+    assert (tmp_path / "ckpt" / "state.pt").is_file() and (tmp_path / "train_log.jsonl").is_file()
+
+
+def test_an_interrupted_run_resumes_to_the_same_state(tmp_path, setup):
+    target, _, data = setup
+    straight = train(config(tmp_path / "a", steps=6, save_every=3), target, data, progress=False)
+
+    def interrupt(step, log):
+        if step == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "b", steps=6, save_every=3), target, data, callback=interrupt, progress=False)
+    resumed = train(config(tmp_path / "b", steps=6, save_every=3), target, data, progress=False)
+    assert resumed.step == 6
+    for name, value in straight.draft.state_dict().items():
+        assert torch.allclose(resumed.draft.state_dict()[name], value, atol=1e-6), name
+    assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in straight.history], abs=1e-6)
+
+
+def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
+    target, _, data = setup
+    train(config(tmp_path, steps=2, save_every=1), target, data, progress=False)
+    with pytest.raises(TrainError, match="another target"):
+        train(config(tmp_path, steps=4), tiny_target(seed=5), data, progress=False)
+    with pytest.raises(TrainError, match="seq_len: checkpoint 64 vs now 32"):
+        train(config(tmp_path, steps=4, seq_len=32), target, data, progress=False)
+    fresh = train(config(tmp_path, steps=1, seq_len=32, resume=False), target, data, progress=False)
+    assert fresh.step == 1
+
+
+def test_sub_vocabulary_is_the_most_frequent_tokens_plus_specials():
+    data = TokenData([[5, 5, 5, 7, 7, 9], [7, 5, 3]], [[1.0] * 6, [1.0] * 3])
+    vocab = frequent_vocab(data, 3, 256, special_ids=[1])
+    assert vocab.tolist() == [5, 7, 1]
+    assert frequent_vocab(data, 6, 256).tolist()[:4] == [5, 7, 9, 3]  # padded with unused ids
+    with pytest.raises(TrainError, match="exceeds"):
+        frequent_vocab(data, 300, 256)
+
+
+class ByteTokenizer:
+    eos_token_id = 1
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [[2 + b % 254 for b in t.encode()] for t in texts]}
+
+
+def test_domain_sequences_use_self_distilled_replies_and_weight_the_prompt():
+    rows = datasets.Dataset.from_dict({"prompt": ["ab", "cd"], "text": ["xyz", "w"]})
+    data = domain_sequences(rows, ByteTokenizer(), seq_len=16, prompt_weight=0.5, responses={"cd": [40, 41]})
+    assert data.sequences[0] == [99, 100, 122, 123, 124, 1]  # prompt, raw text, EOS
+    assert data.weights[0] == [0.5, 0.5, 1, 1, 1, 1]
+    assert data.sequences[1] == [101, 102, 40, 41]  # the target's own reply replaces the raw text
+    cut = domain_sequences(datasets.Dataset.from_dict({"prompt": ["p" * 30], "text": ["t" * 30]}), ByteTokenizer(), 16)
+    assert len(cut.sequences[0]) == 16 and cut.weights[0][-1] == 1.0  # prompt cut to half, response kept
+
+
+def test_bad_data_gives_clear_errors():
+    with pytest.raises(TrainError, match="no text column.*columns: prompt"):
+        domain_sequences(datasets.Dataset.from_dict({"prompt": ["a"]}), ByteTokenizer(), 16)
+    with pytest.raises(TrainError, match="empty"):
+        domain_sequences(datasets.Dataset.from_dict({"prompt": [], "text": []}), ByteTokenizer(), 16)
+    with pytest.raises(ValueError, match="mlp_tied"):
+        TrainConfig(domain="code", out_dir="x", head="conv")
+    with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+        TrainConfig(domain="poetry", out_dir="x")
+
+
+def cli_app() -> typer.Typer:
+    from training.cli import train_draft
+
+    app = typer.Typer()
+    app.command("train-draft")(train_draft)
+    app.command("noop")(lambda: None)
+    return app
+
+
+def test_train_draft_cli_refuses_bad_input_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLASHSPEC_HOME", str(tmp_path / "home"))
+    runner = CliRunner()
+    res = runner.invoke(cli_app(), ["train-draft", "--domain", "poetry", "--out", str(tmp_path / "run")])
+    assert res.exit_code == 1 and "unknown domain 'poetry'" in res.output and "code, general, dialog" in res.output
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--store", str(blocker), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 1 and "cannot create" in res.output and str(blocker) in res.output
+    res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--steps", "0", "--store", str(tmp_path / "s")])
+    assert res.exit_code == 1 and "steps" in res.output

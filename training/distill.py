@@ -1,0 +1,425 @@
+"""Distillation of a FlashSpec draft from its target (teacher forcing, multi-step "training-time test").
+
+Per batch: the target runs once under no_grad (bf16 autocast on CUDA, fp32 on CPU) giving the trunk
+hidden states (layers [0, N)), its final hidden states and next-token logits. The draft is trained
+to match the target's next-token distribution: KL(target || draft), restricted to the draft's
+sub-vocabulary (renormalized) when it has one, + ce_weight * CE on the data + (deep drafts) a
+regression of its proxy feature onto the target's final hidden state. Deep drafts also run
+`rollout_steps - 1` extra passes whose feature inputs are the draft's own proxy features of the
+previous pass, shifted by one position: what the draft sees from its 2nd drafted token on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from drafts.checkpoint import target_fingerprint
+from drafts.config import DraftConfig
+from drafts.model import DraftModel
+from engine.model import Transformer
+
+ALL_DOMAINS = ("code", "general", "dialog")
+
+
+class TrainError(RuntimeError):
+    """Training cannot start or continue; the message says what to fix."""
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    domain: str = Field(description="Domain the draft is for: code, general, dialog, or mixed (all three).")
+    # Draft shape (defaults: the demo drafts' recipe).
+    shared_layers: Optional[int] = Field(2, description="N: target layers shared as the trunk (None: round(L/4)).")
+    adapter_layers: int = Field(1, description="A: trained adapter decoder layers.")
+    head: Literal["mlp", "mlp_tied"] = Field("mlp_tied", description="Head type (mlp_tied reuses the target's lm_head).")
+    feature_input: Literal["none", "deep"] = Field("deep", description="'deep': fuse the target's last hidden state in.")
+    head_vocab: Optional[int] = Field(8192, description="Sub-vocabulary size K (most frequent tokens); None = full vocab.")
+    init_from_target: bool = Field(True, description="Adapters start as copies of target layers [N, N+A).")
+    # Optimisation.
+    steps: int = Field(300, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
+    seq_len: int = Field(256, ge=8, description="Tokens per training sequence (longer ones are cut).")
+    lr_adapters: float = Field(5e-5, gt=0, description="Learning rate of adapters, fusion and output norm.")
+    lr_head: float = Field(1e-4, gt=0, description="Learning rate of the head.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (matrices only).")
+    warmup_steps: int = Field(20, ge=0, description="Linear warmup steps, then cosine decay.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    clip: float = Field(1.0, gt=0, description="Gradient-norm clipping.")
+    ce_weight: float = Field(0.0, ge=0, description="Weight of cross-entropy on the data next token.")
+    feature_weight: float = Field(0.1, ge=0, description="Weight of the proxy-feature regression (deep drafts).")
+    rollout_steps: int = Field(2, ge=1, le=3, description="Draft passes per batch (deep drafts): 2nd/3rd feed on own features.")
+    prompt_weight: float = Field(0.5, ge=0, description="Loss weight of prompt tokens (response tokens weigh 1).")
+    # Bookkeeping.
+    eval_every: int = Field(100, ge=1, description="Held-out loss and top-1 agreement every this many steps.")
+    eval_batches: int = Field(4, ge=1, description="Validation micro-batches per evaluation.")
+    save_every: int = Field(100, ge=1, description="Checkpoint (for resume) every this many steps.")
+    seed: int = Field(0, description="Seed of the initialisation and the data order.")
+    device: str = Field("cpu", description="cpu or cuda.")
+    out_dir: str = Field(description="Run folder: ckpt/ (resume state), final/ (draft), train_log.jsonl.")
+    resume: bool = Field(True, description="Continue from out_dir/ckpt when present.")
+
+    @field_validator("domain")
+    @classmethod
+    def _known_domain(cls, value: str) -> str:
+        return check_train_domain(value)
+
+    def draft_config(self) -> DraftConfig:
+        return DraftConfig(shared_layers=self.shared_layers, adapter_layers=self.adapter_layers, head=self.head,
+                           feature_input=self.feature_input, init_from_target=self.init_from_target,
+                           head_vocab=self.head_vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenData:
+    """Training sequences: token ids and per-token loss weights (0 = no loss), same lengths."""
+
+    sequences: list[list[int]]
+    weights: list[list[float]]
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise TrainError("no training sequences: the dataset is empty or every row was empty")
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    draft: DraftModel  # fp32 master weights, on the training device
+    step: int
+    history: list[dict]
+    out_dir: Path
+    seconds: float
+
+
+# ----- data ---------------------------------------------------------------------------------
+def check_train_domain(domain: str) -> str:
+    if domain not in (*ALL_DOMAINS, "mixed"):
+        raise ValueError(f"unknown domain {domain!r}; valid domains: {', '.join(ALL_DOMAINS)}, mixed")
+    return domain
+
+
+def domain_sequences(rows, tokenizer, seq_len: int, prompt_weight: float = 0.5,
+                     responses: dict[str, list[int]] | None = None) -> TokenData:
+    """Rows with `prompt` (templated request) and `text` -> prompt + response token sequences.
+
+    The response is the target's own greedy reply when `responses` has one for the prompt
+    (self-distillation), else the row's raw `text`. Prompts keep at most half of seq_len (cut from
+    the left) so every sequence keeps some response tokens.
+    """
+    columns = set(rows.column_names) if hasattr(rows, "column_names") else set(rows[0]) if rows else set()
+    missing = {"prompt", "text"} - columns
+    if missing:
+        raise TrainError(f"the dataset has no {', '.join(sorted(missing))} column (columns: {', '.join(sorted(columns))}); "
+                         "build it with: flashspec data build (or --dataset ... --text-field/--messages-field)")
+    prompts, texts = list(rows["prompt"]), list(rows["text"])
+    enc_prompts = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    enc_texts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    seqs, weights = [], []
+    for prompt, p_ids, t_ids in zip(prompts, enc_prompts, enc_texts):
+        r_ids = list(responses[prompt]) if responses and prompt in responses else list(t_ids) + ([eos] if eos is not None else [])
+        if not r_ids and not p_ids:
+            continue
+        keep_prompt = max(seq_len - len(r_ids), seq_len // 2)
+        p_ids = list(p_ids)[-keep_prompt:] if keep_prompt else []
+        ids = (p_ids + r_ids)[:seq_len]
+        w = ([prompt_weight] * len(p_ids) + [1.0] * len(r_ids))[:seq_len]
+        if len(ids) >= 2:
+            seqs.append(ids)
+            weights.append(w)
+    return TokenData(seqs, weights)
+
+
+def frequent_vocab(data: TokenData, k: int, vocab_size: int, special_ids=()) -> torch.Tensor:
+    """The K most frequent token ids of the data (most frequent first), always including special ids."""
+    if k > vocab_size:
+        raise TrainError(f"head_vocab={k} exceeds the target's vocabulary of {vocab_size}")
+    counts = collections.Counter(t for seq in data.sequences for t in seq)
+    specials = [s for s in dict.fromkeys(special_ids) if s is not None and 0 <= s < vocab_size]
+    ranked = [t for t, _ in counts.most_common()]
+    # Pad with the lowest unused ids when the data has fewer than K distinct tokens.
+    ranked += [t for t in range(vocab_size) if t not in counts][: max(0, k - len(ranked))]
+    chosen = ranked[: k - len([s for s in specials if s not in ranked[:k]])]
+    chosen += [s for s in specials if s not in chosen]
+    return torch.tensor(chosen[:k], dtype=torch.long)
+
+
+def _batch(data: TokenData, indices, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens (B, T) right-padded with 0, weights (B, T) with 0 on padding."""
+    t = max(len(data.sequences[i]) for i in indices)
+    tokens = torch.zeros(len(indices), t, dtype=torch.long)
+    weights = torch.zeros(len(indices), t)
+    for row, i in enumerate(indices):
+        seq = data.sequences[i]
+        tokens[row, : len(seq)] = torch.tensor(seq)
+        weights[row, : len(seq)] = torch.tensor(data.weights[i])
+    return tokens.to(device), weights.to(device)
+
+
+class _Order:
+    """Seeded, resumable data order: micro-batch g of the run is always the same indices."""
+
+    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self._perms: dict[int, np.ndarray] = {}
+
+    def indices(self, g: int) -> list[int]:
+        out = []
+        for i in range(g * self.batch_size, (g + 1) * self.batch_size):
+            epoch, pos = divmod(i, self.n)
+            if epoch not in self._perms:
+                self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+            out.append(int(self._perms[epoch][pos]))
+        return out
+
+
+# ----- the loss -------------------------------------------------------------------------------
+def _autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def _shift(x: torch.Tensor) -> torch.Tensor:
+    """features[:, t] = x[:, t - 1], zeros at t = 0.  (B, T, H) -> (B, T, H)"""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+@torch.no_grad()
+def target_pass(target: Transformer, tokens: torch.Tensor, n_trunk: int, vocab_ids: torch.Tensor | None):
+    """One target run: trunk hidden (B, T, H), final hidden (B, T, H), next-token logits (B, T, K or V)."""
+    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # (B, T)
+    with _autocast(tokens.device):
+        trunk = target(tokens, pos, layers=range(0, n_trunk)).hidden
+        final = target(None, pos, layers=range(n_trunk, target.args.num_layers), hidden=trunk,
+                       compute_logits=False).final_hidden
+        weight = target.lm_head.weight if vocab_ids is None else target.lm_head.weight[vocab_ids]
+        logits = F.linear(final, weight)
+    return pos, trunk, final, logits.float()
+
+
+def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
+                 cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft step."""
+    vocab_ids = draft.vocab_ids
+    pos, trunk, final, target_logits = target_pass(target, tokens, draft.shared_layers, vocab_ids)
+    target_logp = F.log_softmax(target_logits, dim=-1)  # (B, T, K): renormalized over the sub-vocabulary
+    target_prob = target_logp.exp()
+    target_top = target_logits.argmax(-1)  # (B, T)
+    denom = weights.sum().clamp_min(1e-6)
+    deep = draft.feature_input == "deep"
+    steps = cfg.rollout_steps if deep else 1  # without features the draft's inputs are the true trunk states
+    ce_labels = None
+    if cfg.ce_weight > 0:
+        # Next data token, in head-vocabulary indices (-100: outside it or no next token).
+        nxt = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -1)], dim=1)
+        if vocab_ids is not None:
+            lookup = torch.full((target.args.vocab_size + 1,), -100, dtype=torch.long, device=tokens.device)
+            lookup[vocab_ids] = torch.arange(len(vocab_ids), device=tokens.device)
+            ce_labels = lookup[nxt]  # index -1 hits the trailing -100 slot
+        else:
+            ce_labels = nxt.masked_fill(nxt < 0, -100)
+        ce_labels = ce_labels.masked_fill(weights == 0, -100)
+    feats = _shift(final) if deep else None
+    total = torch.zeros((), device=tokens.device)
+    parts: dict = {"kl": [], "top1": []}
+    with _autocast(tokens.device):
+        for k in range(steps):
+            scores, out = draft.forward_train(trunk, feats, pos)  # (B, T, K), (B, T, H)
+            draft_logp = F.log_softmax(scores.float(), dim=-1)
+            kl = ((target_prob * (target_logp - draft_logp)).sum(-1) * weights).sum() / denom
+            loss = kl
+            if ce_labels is not None:
+                ce = F.nll_loss(draft_logp.flatten(0, 1), ce_labels.flatten(), ignore_index=-100)
+                loss = loss + cfg.ce_weight * ce
+            if deep:
+                proxy = draft.proxy_feature(out)  # (B, T, H): stands in for final[:, t] at the next position
+                if cfg.feature_weight > 0:
+                    reg = F.smooth_l1_loss(proxy.float(), final.float(), reduction="none").mean(-1)
+                    loss = loss + cfg.feature_weight * (reg * weights).sum() / denom
+                if k + 1 < steps:
+                    feats = _shift(proxy)
+            total = total + loss / steps
+            agree = ((draft_logp.argmax(-1) == target_top).float() * (weights > 0)).sum() / (weights > 0).sum().clamp_min(1)
+            parts["kl"].append(float(kl.detach()))
+            parts["top1"].append(float(agree))
+    return total, parts
+
+
+@torch.no_grad()
+def held_out(target: Transformer, draft: DraftModel, data: TokenData, cfg: TrainConfig, device) -> dict:
+    """Mean loss, KL and top-1 agreement per draft step over the first eval_batches validation batches."""
+    draft.eval()
+    n = min(len(data), cfg.eval_batches * cfg.batch_size)
+    losses, kls, tops = [], [], []
+    for start in range(0, n, cfg.batch_size):
+        tokens, weights = _batch(data, list(range(start, min(n, start + cfg.batch_size))), device)
+        loss, parts = distill_loss(target, draft, tokens, weights, cfg)
+        losses.append(float(loss))
+        kls.append(parts["kl"])
+        tops.append(parts["top1"])
+    draft.train()
+    return {"loss": float(np.mean(losses)), "kl_by_step": np.mean(kls, axis=0).round(4).tolist(),
+            "top1_by_step": np.mean(tops, axis=0).round(4).tolist()}
+
+
+# ----- the loop -------------------------------------------------------------------------------
+def build_draft(target: Transformer, cfg: TrainConfig, vocab_ids: torch.Tensor | None) -> DraftModel:
+    torch.manual_seed(cfg.seed)
+    draft = DraftModel(target, cfg.draft_config(), name=cfg.domain, version="training")
+    if cfg.init_from_target:
+        draft.init_from_target()
+    if draft.vocab_ids is not None:
+        if vocab_ids is None:
+            raise TrainError("a head_vocab draft needs its sub-vocabulary (vocab_ids)")
+        draft.set_vocab(vocab_ids)
+    return draft.float().train()  # fp32 master weights (bf16 autocast computes on GPU)
+
+
+def _param_groups(draft: DraftModel, cfg: TrainConfig) -> list[dict]:
+    groups = {("head", True): [], ("head", False): [], ("adapters", True): [], ("adapters", False): []}
+    for name, p in draft.named_parameters():
+        part = "head" if name.startswith("head.") else "adapters"  # adapters, fuse, out_norm share a rate
+        groups[(part, p.dim() >= 2)].append(p)
+    return [{"params": ps, "lr": cfg.lr_head if part == "head" else cfg.lr_adapters,
+             "weight_decay": cfg.weight_decay if decay else 0.0}
+            for (part, decay), ps in groups.items() if ps]
+
+
+def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+_RESUME_KEYS = ("domain", "shared_layers", "adapter_layers", "head", "feature_input", "head_vocab", "batch_size",
+                "grad_accum", "seq_len", "seed", "rollout_steps")
+
+
+def _load_checkpoint(path: Path, cfg: TrainConfig, fingerprint: str) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state["fingerprint"] != fingerprint:
+        raise TrainError(f"{path} was written for another target (fingerprint {state['fingerprint'][:12]}, this target "
+                         f"{fingerprint[:12]}); resume with the same --target, or start over with a new --out or --no-resume")
+    saved = state["config"]
+    diff = {k: (saved.get(k), getattr(cfg, k)) for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
+    if diff:
+        shown = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        raise TrainError(f"{path} belongs to a run with other settings ({shown}); use the same settings to resume, "
+                         "or a new --out / --no-resume to start over")
+    return state
+
+
+def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data: TokenData | None = None,
+          vocab_ids: torch.Tensor | None = None, callback: Callable[[int, dict], None] | None = None,
+          progress: bool = True) -> TrainResult:
+    """Train (or resume) a draft; checkpoints to out_dir/ckpt/state.pt. `callback(step, log)` runs after each step."""
+    from tqdm.auto import tqdm
+
+    # Setup: device, output folder, resume state.
+    check_train_domain(cfg.domain)
+    device = torch.device(cfg.device)
+    out_dir = Path(cfg.out_dir)
+    try:
+        (out_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrainError(f"cannot create the run folder {out_dir}: {exc.strerror or exc}; choose a writable --out") from exc
+    if not os.access(out_dir / "ckpt", os.W_OK):
+        raise TrainError(f"no write permission on {out_dir / 'ckpt'}; choose a writable --out")
+    ckpt_path = out_dir / "ckpt" / "state.pt"
+    fingerprint = target_fingerprint(target)
+    state = _load_checkpoint(ckpt_path, cfg, fingerprint) if cfg.resume and ckpt_path.is_file() else None
+    if cfg.head_vocab and vocab_ids is None:
+        specials = [target.args.bos_token_id, *target.args.eos_token_ids]
+        vocab_ids = frequent_vocab(train_data, cfg.head_vocab, target.args.vocab_size, specials)
+    if state is not None:
+        vocab_ids = state["draft"].get("vocab_ids")
+    draft = build_draft(target, cfg, vocab_ids)
+    optimizer = torch.optim.AdamW(_param_groups(draft, cfg), betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    step, history = 0, []
+    if state is not None:
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"])
+        step, history = state["step"], state["history"]
+    order = _Order(len(train_data), cfg.batch_size, cfg.seed)
+    log_file = out_dir / "train_log.jsonl"
+
+    def save() -> None:
+        tmp = ckpt_path.with_name(f".state.pt.tmp-{os.getpid()}")
+        torch.save({"step": step, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": _rng_state(), "config": cfg.model_dump(),
+                    "fingerprint": fingerprint, "history": history}, tmp)
+        os.replace(tmp, ckpt_path)
+
+    # Loop: accumulate micro-batches, clip, step, log; evaluate and checkpoint periodically.
+    started = time.perf_counter()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {cfg.domain}", disable=not progress, dynamic_ncols=True)
+    while step < cfg.steps:
+        optimizer.zero_grad(set_to_none=True)
+        parts_sum: dict = {"loss": 0.0, "kl": None, "top1": None}
+        for micro in range(cfg.grad_accum):
+            tokens, weights = _batch(train_data, order.indices(step * cfg.grad_accum + micro), device)
+            loss, parts = distill_loss(target, draft, tokens, weights, cfg)
+            (loss / cfg.grad_accum).backward()
+            parts_sum["loss"] += float(loss.detach()) / cfg.grad_accum
+            for key in ("kl", "top1"):
+                vals = np.array(parts[key]) / cfg.grad_accum
+                parts_sum[key] = vals if parts_sum[key] is None else parts_sum[key] + vals
+        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        log = {"step": step, "loss": round(parts_sum["loss"], 5), "kl_by_step": np.round(parts_sum["kl"], 4).tolist(),
+               "top1_by_step": np.round(parts_sum["top1"], 4).tolist(), "grad_norm": round(float(grad_norm), 4),
+               "lr_adapters": scheduler.get_last_lr()[-1]}
+        if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            log["eval"] = held_out(target, draft, val_data, cfg, device)
+        history.append(log)
+        with open(log_file, "a") as f:
+            f.write(json.dumps(log) + "\n")
+        bar.update(1)
+        bar.set_postfix(loss=f"{log['loss']:.3f}", top1=f"{log['top1_by_step'][0]:.2f}")
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            save()
+        if callback is not None:
+            callback(step, log)
+    bar.close()
+    return TrainResult(draft, step, history, out_dir, time.perf_counter() - started)

@@ -1,0 +1,56 @@
+"""Self-distillation data: the target's own greedy replies to a domain's training prompts, cached on disk.
+
+A draft is judged on what the target generates, so training on the target's replies (rather than
+on raw documents) matches what it will face. Replies are generated in batches with the decode
+engine and cached under `$FLASHSPEC_HOME/selfdistill/`, keyed by the target fingerprint and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from drafts.checkpoint import target_fingerprint
+from engine.generate import generate
+from engine.loading import flashspec_home
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+
+
+def cache_path(domain: str, fingerprint: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int,
+               seed: int, root: Path | None = None) -> Path:
+    root = root or flashspec_home() / "selfdistill"
+    return root / f"{domain}-{fingerprint[:12]}-n{num_prompts}-m{max_new_tokens}-p{max_prompt_tokens}-s{seed}.json"
+
+
+def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_tokens: int = 128,
+                 max_prompt_tokens: int = 384, batch_size: int = 8, seed: int = 0, cache_root: Path | None = None,
+                 progress: bool = True) -> dict[str, list[int]]:
+    """{prompt text: the target's greedy reply token ids} for a seeded sample of `rows` (cached)."""
+    from tqdm.auto import tqdm
+
+    path = cache_path(domain, target_fingerprint(model), num_prompts, max_new_tokens, max_prompt_tokens, seed, cache_root)
+    if path.is_file():
+        return json.loads(path.read_text())
+    prompts = list(dict.fromkeys(rows["prompt"]))
+    random.Random(seed).shuffle(prompts)
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    chosen = [(p, i) for p, i in zip(prompts, ids) if 0 < len(i) <= max_prompt_tokens][:num_prompts]
+    if not chosen:
+        raise ValueError(f"no {domain} prompt has at most {max_prompt_tokens} tokens; raise max_prompt_tokens")
+    engine = DecodeEngine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    replies: dict[str, list[int]] = {}
+    chunk = batch_size * 4
+    for start in tqdm(range(0, len(chosen), chunk), desc=f"self-distill {domain}", disable=not progress):
+        part = chosen[start : start + chunk]
+        for (prompt, _), result in zip(part, generate(engine, [i for _, i in part], params)):
+            replies[prompt] = result.token_ids
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(replies))
+    os.replace(tmp, path)
+    return replies
+
