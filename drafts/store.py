@@ -167,28 +167,30 @@ class DraftStore:
         self._log(domain, "publish", version)
         return final
 
-    def activate(self, domain: str, version: str, gate: bool = True, tolerance: float = 0.05, force: bool = False) -> Activation:
-        """Point ACTIVE at `version` if the gate passes: its mean accepted length >= the active's - tolerance."""
+    def activate(self, domain: str, version: str, gate: bool = True, tolerance: float = 0.05, force: bool = False,
+                 fallback: "DraftStore | None" = None) -> Activation:
+        """Point ACTIVE at `version` if the gate passes: its mean accepted length >= the active's - tolerance.
+
+        With no active version here, the gate compares with `fallback`'s active draft (the shipped demo
+        drafts, which serve the domain until then) when it was trained for the same target.
+        """
         folder = self.check_writable(domain)
         candidate = self.manifest(domain, version)
         current = self.active(domain)
         if current == version:
             return Activation(domain, version, True, current, f"{domain}: {version} is already active")
-        if gate and not force and current is not None:
+        baseline = self._baseline(domain, current, candidate, fallback)
+        if gate and not force and baseline is not None:
+            label, old = baseline
             new = candidate.get("metrics", {}).get(GATE_METRIC)
-            try:
-                old = self.manifest(domain, current).get("metrics", {}).get(GATE_METRIC)
-            except StoreError:
-                old = None  # the active version is gone or broken: anything valid beats it
-            if old is not None:
-                if new is None:
-                    return Activation(domain, version, False, current,
-                                      f"{domain}: refused {version}: its manifest has no {GATE_METRIC} to compare with "
-                                      f"the active {current} ({old:.3f}); evaluate it first or use --force")
-                if new < old - tolerance:
-                    return Activation(domain, version, False, current,
-                                      f"{domain}: refused {version}: {GATE_METRIC} {new:.3f} < active {current} "
-                                      f"{old:.3f} - tolerance {tolerance:.3f}; keep {current} (use --force to override)")
+            if new is None:
+                return Activation(domain, version, False, current,
+                                  f"{domain}: refused {version}: its manifest has no {GATE_METRIC} to compare with "
+                                  f"the active {label} ({old:.3f}); evaluate it first or use --force")
+            if new < old - tolerance:
+                return Activation(domain, version, False, current,
+                                  f"{domain}: refused {version}: {GATE_METRIC} {new:.3f} < active {label} "
+                                  f"{old:.3f} - tolerance {tolerance:.3f}; keep {label} (use --force to override)")
         history = self.history(domain)
         if current is not None:
             history["previous"].append(current)
@@ -197,6 +199,23 @@ class DraftStore:
         new = candidate.get("metrics", {}).get(GATE_METRIC)
         shown = f" ({GATE_METRIC} {new:.3f})" if isinstance(new, (int, float)) else ""
         return Activation(domain, version, True, current, f"{domain}: activated {version}{shown}; previous: {current or 'none'}")
+
+    def _baseline(self, domain: str, current: str | None, candidate: dict, fallback: "DraftStore | None"):
+        """(label, mean accepted length) of the draft serving the domain now, or None if there is none to beat."""
+        try:
+            if current is not None:
+                manifest, label = self.manifest(domain, current), current
+            elif fallback is not None and fallback.active(domain) is not None:
+                shipped = fallback.active(domain)
+                manifest, label = fallback.manifest(domain, shipped), f"shipped {shipped}"
+                if manifest.get("target_fingerprint") != candidate.get("target_fingerprint"):
+                    return None  # made for another target: it does not serve this one
+            else:
+                return None
+        except StoreError:
+            return None  # the active version is gone or broken: anything valid beats it
+        old = manifest.get("metrics", {}).get(GATE_METRIC)
+        return None if old is None else (label, float(old))
 
     def rollback(self, domain: str) -> str:
         """Re-activate the previously active version; returns it."""

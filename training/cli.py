@@ -155,7 +155,10 @@ def drafts_activate(
 ) -> None:
     """Make a published version the domain's active draft, if the gate passes (or --force)."""
     try:
-        result = _store(store).activate(domain, version, gate=True, tolerance=tolerance, force=force)
+        from drafts.store import DraftStore, shipped_drafts_dir
+
+        shipped = DraftStore(shipped_drafts_dir(), read_only=True)
+        result = _store(store).activate(domain, version, gate=True, tolerance=tolerance, force=force, fallback=shipped)
         typer.echo(result.message)
         if not result.activated:
             raise typer.Exit(code=1)

@@ -9,7 +9,7 @@ from typing import Callable
 import datasets
 
 from drafts.checkpoint import load_draft, save_draft
-from drafts.store import DraftStore, default_store_root
+from drafts.store import DraftStore, default_store_root, shipped_drafts_dir
 from engine.loading import load_model
 from training import corpora
 from training.distill import ALL_DOMAINS, TokenData, TrainConfig, TrainError, domain_sequences, frequent_vocab, train
@@ -98,7 +98,8 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
     out["published"] = published
     echo(f"published {cfg.domain} {published.name} -> {published}")
     if activate:
-        decision = draft_store.activate(cfg.domain, published.name, gate=True, tolerance=tolerance)
+        shipped = DraftStore(shipped_drafts_dir(), read_only=True)
+        decision = draft_store.activate(cfg.domain, published.name, gate=True, tolerance=tolerance, fallback=shipped)
         out["activation"] = decision
         echo(decision.message)
     return out

@@ -234,3 +234,20 @@ def test_activate_pushes_the_change_to_a_running_app(tmp_path, draft):
     res = CliRunner().invoke(cli_app(), ["activate", "--domain", "dialog", "--version", "v2", "--store", str(tmp_path),
                                          "--push-url", f"http://127.0.0.1:{port}"])
     assert res.exit_code == 1 and "cannot reach" in res.output and st.active("dialog") == "v2"
+
+
+def test_first_activation_must_beat_the_shipped_draft_of_the_same_target(tmp_path, draft):
+    shipped = DraftStore(tmp_path / "shipped")
+    publish(shipped, draft, "code", "demo", 3.0)
+    shipped.activate("code", "demo")
+    st = DraftStore(tmp_path / "user")
+    publish(st, draft, "code", "weak", 2.0)
+    refused = st.activate("code", "weak", fallback=DraftStore(tmp_path / "shipped", read_only=True))
+    assert not refused.activated and "shipped demo 3.000" in refused.message and st.active("code") is None
+    assert st.activate("code", "weak").activated  # no fallback given: nothing to beat
+    other = st.publish(draft, "dialog", "v1", metrics={"mean_accepted_length": 1.0})
+    publish(shipped, draft, "dialog", "demo", 3.0)
+    shipped.activate("dialog", "demo")
+    manifest = other / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"target_fingerprint": "', '"target_fingerprint": "0'))
+    assert st.activate("dialog", "v1", fallback=shipped).activated  # the shipped draft is for another target
