@@ -1,0 +1,422 @@
+"""FlashSpec decoding is lossless: greedy token for token, sampling in distribution.
+
+Drafts used (target: 4 layers, every draft shares layer 0):
+  oracle  - adapters = target layers [1, 4), tied head, initialised from the target: proposes exactly
+            the target's next token, so every drafted token is accepted;
+  partial - the oracle with noise on its adapter weights: some tokens accepted, some not;
+  random  - untrained, random weights: almost nothing accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import engine.speculative as speculative
+from drafts.config import DraftConfig
+from drafts.model import DraftModel
+from engine.generate import generate
+from engine.requests import Request
+from engine.sampling import SamplingParams, processed_probs, sample
+from engine.scheduler import DecodeEngine
+from engine.speculative import SpecConfig
+from engine.verify import VerifyResult
+
+GRID = [(1, 1), (3, 1), (3, 2), (3, 3), (5, 1), (5, 2), (5, 5)]  # (gamma, block_size): block in {1, 2, gamma}
+LENGTHS = (5, 17, 2, 30)  # a ragged batch of prompts
+NEW = 30
+
+
+def oracle(target, deep=False, **kwargs) -> DraftModel:
+    config = DraftConfig(shared_layers=1, adapter_layers=target.args.num_layers - 1, head="mlp_tied",
+                         feature_input="deep" if deep else "none", **kwargs)
+    draft = DraftModel(target, config, name="oracle")
+    draft.init_from_target()
+    return draft
+
+
+def noisy(draft: DraftModel, scale: float, seed: int = 5) -> DraftModel:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.adapters.parameters():
+            if p.dim() == 2:
+                p.add_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return draft
+
+
+def random_draft(target, seed=3, **kwargs) -> DraftModel:
+    torch.manual_seed(seed)
+    return DraftModel(target, DraftConfig(shared_layers=1, init_from_target=False, **kwargs), name="random")
+
+
+def prompts_for(vocab: int, lengths=LENGTHS) -> list[list[int]]:
+    return [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def _ar_cached(target_id, lengths, new, max_seq_len):
+    target = _TARGETS[target_id]
+    eng = DecodeEngine(target, None, max_batch_size=len(lengths), max_seq_len=max_seq_len)
+    params = SamplingParams(max_new_tokens=new, eos_token_ids=())
+    return tuple(tuple(r.token_ids) for r in generate(eng, prompts_for(target.args.vocab_size, lengths), params))
+
+
+_TARGETS: dict[int, object] = {}
+
+
+def ar_greedy(target, lengths=LENGTHS, new=NEW, max_seq_len=128) -> list[list[int]]:
+    _TARGETS[id(target)] = target
+    return [list(t) for t in _ar_cached(id(target), tuple(lengths), new, max_seq_len)]
+
+
+def spec_generate(target, drafts, spec: SpecConfig, lengths=LENGTHS, new=NEW, params=None, tokenizer=None,
+                  max_seq_len=128):
+    """Generate with one draft per row (a list) or the same draft for all rows."""
+    eng = DecodeEngine(target, tokenizer, max_batch_size=len(lengths), max_seq_len=max_seq_len, spec=spec)
+    per_row = drafts if isinstance(drafts, list) else [drafts] * len(lengths)
+    names = []
+    for d in per_row:
+        if d is None:
+            names.append(None)
+            continue
+        name = f"d{id(d)}"
+        if name not in eng.drafts:
+            eng.add_draft(name, d)
+        names.append(name)
+    params = params or SamplingParams(max_new_tokens=new, eos_token_ids=())
+    return generate(eng, prompts_for(target.args.vocab_size, lengths), params, draft=names)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target.model
+
+
+# ----- greedy losslessness ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma, block", GRID)
+def test_greedy_oracle_draft_is_lossless_and_fully_accepted(target, gamma, block):
+    results = spec_generate(target, oracle(target), SpecConfig(gamma, block))
+    assert [r.token_ids for r in results] == ar_greedy(target)
+    for r in results:
+        assert r.stats.acceptance_rate == 1.0
+        assert r.stats.mean_accepted_length == gamma + 1 > gamma
+        assert r.stats.verify_passes == r.stats.rounds * len(SpecConfig(gamma, block).blocks())
+
+
+@pytest.mark.parametrize("gamma, block", GRID)
+def test_greedy_random_draft_is_lossless(target, gamma, block):
+    results = spec_generate(target, random_draft(target), SpecConfig(gamma, block))
+    assert [r.token_ids for r in results] == ar_greedy(target)
+    drafted = sum(r.stats.drafted for r in results)
+    assert sum(r.stats.accepted for r in results) <= 0.1 * drafted
+    for r in results:
+        assert r.stats.verify_passes == r.stats.rounds  # every round ends at its first block
+
+
+@pytest.mark.parametrize("gamma, block", [(3, 1), (5, 2), (5, 5)])
+def test_greedy_partially_trained_draft_is_lossless(target, gamma, block):
+    results = spec_generate(target, noisy(oracle(target), 0.5), SpecConfig(gamma, block))
+    assert [r.token_ids for r in results] == ar_greedy(target)
+    accepted, drafted = sum(r.stats.accepted for r in results), sum(r.stats.drafted for r in results)
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda t: DraftModel(t, DraftConfig()), id="default-mlp-head"),
+        pytest.param(lambda t: _init(DraftModel(t, DraftConfig())), id="default-mlp-head-init"),
+        pytest.param(lambda t: _init(DraftModel(t, DraftConfig(head="mlp_tied"))), id="mlp_tied"),
+        pytest.param(lambda t: _init(DraftModel(t, DraftConfig(feature_input="deep"))), id="deep"),
+        pytest.param(lambda t: oracle(t, deep=True), id="deep-oracle"),
+        pytest.param(lambda t: noisy(oracle(t, deep=True), 0.5), id="deep-partial"),
+        pytest.param(lambda t: _sub_vocab(oracle(t, head_vocab=48)), id="head_vocab"),
+    ],
+)
+@pytest.mark.parametrize("gamma, block", [(5, 2), (3, 3)])
+def test_greedy_draft_configs_are_lossless(target, make, gamma, block):
+    draft = make(target)
+    results = spec_generate(target, draft, SpecConfig(gamma, block))
+    assert [r.token_ids for r in results] == ar_greedy(target)
+
+
+def _init(draft):
+    draft.init_from_target()
+    return draft
+
+
+def _sub_vocab(draft):
+    """Sub-vocabulary = the tokens the target emits most in the reference outputs, then the rest by id."""
+    target = draft.target
+    counts = torch.zeros(target.args.vocab_size)
+    for row in ar_greedy(target):
+        counts += torch.bincount(torch.tensor(row), minlength=target.args.vocab_size)
+    draft.set_vocab(counts.argsort(descending=True, stable=True)[: len(draft.vocab_ids)])
+    return draft
+
+
+def test_deep_oracle_accepts_everything(target):
+    for gamma, block in [(5, 2), (3, 3), (1, 1)]:
+        results = spec_generate(target, oracle(target, deep=True), SpecConfig(gamma, block))
+        assert all(r.stats.acceptance_rate == 1.0 for r in results)
+
+
+def test_head_vocab_draft_accepts_only_its_tokens(target):
+    draft = _sub_vocab(oracle(target, head_vocab=48))
+    results = spec_generate(target, draft, SpecConfig(5, 2))
+    assert 0 < sum(r.stats.accepted for r in results) < sum(r.stats.drafted for r in results)
+
+
+@pytest.mark.parametrize("deep", [False, True])
+@pytest.mark.parametrize("window", [4, 8, 64])
+def test_greedy_with_a_windowed_draft_cache_is_lossless(target, deep, window):
+    draft = oracle(target, deep=deep)
+    results = spec_generate(target, draft, SpecConfig(5, 2, draft_kv_window=window))
+    assert [r.token_ids for r in results] == ar_greedy(target)
+    if window == 64:  # the window covers every sequence: the oracle stays exact
+        assert all(r.stats.acceptance_rate == 1.0 for r in results)
+
+
+def test_windowed_draft_cache_keeps_short_rows_context_in_a_ragged_batch(target):
+    """A short prompt prefilled beside a long one keeps its own context in the draft's ring buffer:
+    with a window covering the short row's whole sequence, the oracle accepts everything there."""
+    lengths, new = (3, 40), 10
+    results = spec_generate(target, oracle(target), SpecConfig(3, 3, draft_kv_window=16), lengths=lengths, new=new)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths, new)
+    alone = spec_generate(target, oracle(target), SpecConfig(3, 3, draft_kv_window=16), lengths=(3,), new=new)
+    assert alone[0].stats.acceptance_rate == 1.0
+    assert results[0].stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("gamma, block", [(5, 2), (3, 1), (3, 3)])
+def test_greedy_ragged_batch_with_mixed_drafts(target, gamma, block):
+    """One draft per row (different adapters, heads, feature inputs; same trunk depth), plus a plain row."""
+    drafts = [
+        oracle(target),
+        random_draft(target, adapter_layers=2),
+        noisy(oracle(target), 0.5),
+        oracle(target, deep=True),
+        None,
+    ]
+    lengths = LENGTHS + (9,)
+    results = spec_generate(target, drafts, SpecConfig(gamma, block), lengths=lengths)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths)
+    assert results[0].stats.acceptance_rate == 1.0 and results[3].stats.acceptance_rate == 1.0
+    assert results[1].stats.acceptance_rate <= 0.1
+    assert results[4].stats is None
+    if (gamma, block) != (5, 2):
+        return
+    # Each row gives what it gives alone with its draft.
+    for i in (0, 1, 2, 3):
+        alone = spec_generate(target, drafts[i], SpecConfig(gamma, block), lengths=(lengths[i],))[0]
+        assert alone.token_ids == results[i].token_ids
+        assert alone.stats.accepted == results[i].stats.accepted
+
+
+def test_greedy_and_sampled_rows_in_one_batch(target):
+    """Greedy rows sharing a round with sampled rows still decode exactly greedily."""
+    n = len(LENGTHS)
+    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=()) if i % 2 == 0 else
+              SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=1.0, seed=i) for i in range(n)]
+    results = spec_generate(target, noisy(oracle(target), 0.5), SpecConfig(5, 2), params=params)
+    expected = ar_greedy(target)
+    for i in range(0, n, 2):
+        assert results[i].token_ids == expected[i]
+    assert all(len(r.token_ids) == NEW for r in results)
+
+
+def test_draft_with_another_trunk_depth_is_refused(target):
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64)
+    eng.add_draft("a", oracle(target))
+    with pytest.raises(ValueError, match="trunk depth"):
+        eng.add_draft("b", DraftModel(target, DraftConfig(shared_layers=2)))
+
+
+def test_speculative_requests_are_reproducible_with_a_seed(target):
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, seed=s) for s in (1, 1, 2, 3)]
+    a = [r.token_ids for r in spec_generate(target, noisy(oracle(target), 0.5), SpecConfig(5, 2), params=params)]
+    b = [r.token_ids for r in spec_generate(target, noisy(oracle(target), 0.5), SpecConfig(5, 2), params=params)]
+    assert a == b
+    assert a[2] != a[3]
+
+
+# ----- stop conditions -------------------------------------------------------------------------
+
+
+def test_eos_inside_accepted_tokens_ends_the_sequence_there(target):
+    expected = ar_greedy(target, (7,), 20)[0]
+    # Tokens 1..6 come from the first round (token 0 from the prefill): pick one first seen in 2..5.
+    cut = next(i for i in range(2, 6) if expected[i] not in expected[:i])
+    params = SamplingParams(max_new_tokens=20, eos_token_ids=(expected[cut],))
+    result = spec_generate(target, oracle(target), SpecConfig(5, 5), lengths=(7,), params=params)[0]
+    assert result.token_ids == expected[:cut]
+    assert result.finish_reason == "stop"
+    assert result.stats.rounds == 1
+
+
+@pytest.mark.parametrize("new", [1, 2, 4, 6, 7, 13])
+def test_max_new_tokens_is_exact(target, new):
+    results = spec_generate(target, oracle(target), SpecConfig(5, 2), new=new)
+    expected = ar_greedy(target, LENGTHS, new)
+    assert [r.token_ids for r in results] == expected
+    assert all(len(r.token_ids) == new and r.finish_reason == "length" for r in results)
+
+
+def test_context_limit_is_the_same_as_autoregressive(target):
+    """The engine's context (prompt + output <= max_seq_len) holds when a round could overshoot it."""
+    for length in (10, 12):
+        expected = ar_greedy(target, (length,), 50, max_seq_len=16)[0]
+        assert length + len(expected) == 16
+        result = spec_generate(target, oracle(target), SpecConfig(5, 2), lengths=(length,), new=50, max_seq_len=16)[0]
+        assert result.token_ids == expected
+        assert result.finish_reason == "length"
+
+
+def test_stop_string_inside_accepted_tokens(tiny_target):
+    target, tok = tiny_target.model, tiny_target.tokenizer
+    plain = DecodeEngine(target, tok, max_batch_size=1, max_seq_len=128)
+    prompt = prompts_for(target.args.vocab_size, (7,))
+    full = generate(plain, prompt, SamplingParams(max_new_tokens=20, eos_token_ids=()))[0]
+    stop = full.text.split(" ")[3]  # the 4th word: inside the first round of 6 tokens
+    params = SamplingParams(max_new_tokens=20, eos_token_ids=(), stop=(stop,))
+    ar = generate(plain, prompt, params)[0]
+    spec = spec_generate(target, oracle(target), SpecConfig(5, 2), lengths=(7,), params=params, tokenizer=tok)[0]
+    assert ar.text == full.text[: full.text.find(stop)]
+    assert spec.text == ar.text and spec.finish_reason == ar.finish_reason == "stop"
+    assert spec.token_ids == ar.token_ids  # no tokens past the stop string reach the caller
+
+
+def test_stream_deltas_never_show_a_stop_string(tiny_target):
+    from engine.generate import stream
+
+    target, tok = tiny_target.model, tiny_target.tokenizer
+    eng = DecodeEngine(target, tok, max_batch_size=1, max_seq_len=128, spec=SpecConfig(5, 2))
+    eng.add_draft("o", oracle(target))
+    prompt = prompts_for(target.args.vocab_size, (7,))[0]
+    full = "".join(o.text for o in stream(eng, prompt, SamplingParams(max_new_tokens=24, eos_token_ids=()), "o"))
+    words = full.split(" ")
+    stop = " ".join(words[8:10])
+    seen = ""
+    for out in stream(eng, prompt, SamplingParams(max_new_tokens=24, eos_token_ids=(), stop=(stop,)), "o"):
+        seen += out.text
+        assert full[: full.find(stop)].startswith(seen)
+    assert seen == full[: full.find(stop)]
+
+
+# ----- sampling losslessness -------------------------------------------------------------------
+#
+# Test: a tiny target (vocabulary V = 8) and a partially trained draft (acceptance ~0.6). From one
+# prompt, n requests with seeds 0..n-1 generate K = 3 tokens each: token 1 from the prefill, tokens
+# 2-3 from the first speculative round(s). The exact target distribution of the 3 tokens is computed
+# by enumeration (V^2 = 64 prefixes). Statistic: total variation (TV) distance between the empirical
+# and the exact distribution, per position (V cells) and for the joint (V^3 cells). Under exact
+# sampling E[TV] <= 0.5 * sqrt(cells / n); the threshold is twice that bound: 0.02 per position and
+# 0.16 for the joint at n = 20k. A verifier that accepts every drafted token, or one that draws the
+# recovered token from the target instead of the residual, lands at 0.1-0.4 (checked below at n = 5k).
+
+V, K, PROMPT = 8, 3, [1, 5, 2, 7]
+
+
+@pytest.fixture(scope="module")
+def small(tiny):
+    model = tiny.tiny_vocab_target(V, num_layers=3, seed=7)
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied"))
+    draft.init_from_target()
+    return model, noisy(draft, 1.0)
+
+
+def exact_joint(model, temperature: float, top_p: float) -> torch.Tensor:
+    """(V, V, V) probabilities of the first K = 3 tokens after PROMPT, by enumeration."""
+    seqs = torch.tensor([PROMPT])
+    joint = torch.ones(1)
+    for _ in range(K):
+        n = seqs.shape[0]
+        with torch.no_grad():
+            logits = model(seqs, torch.arange(seqs.shape[1])[None].expand(n, -1)).logits[:, -1]
+        probs = processed_probs(logits, torch.full((n,), temperature), torch.zeros(n, dtype=torch.long),
+                                torch.full((n,), top_p))  # (n, V)
+        joint = (joint[:, None] * probs).reshape(-1)
+        seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(n)[:, None]], dim=1)
+    return joint.view(V, V, V)
+
+
+def sampled_tokens(model, draft, temperature, top_p, n, spec=SpecConfig(3, 2), batch=500) -> torch.Tensor:
+    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec)
+    eng.add_draft("d", draft)
+    params = [SamplingParams(max_new_tokens=K, temperature=temperature, top_p=top_p, seed=i, eos_token_ids=())
+              for i in range(n)]
+    results = generate(eng, [PROMPT] * n, params, draft="d")
+    assert all(r.stats is not None and r.stats.rounds >= 1 for r in results)
+    return torch.tensor([r.token_ids for r in results])  # (n, K)
+
+
+def distances(tokens: torch.Tensor, exact: torch.Tensor) -> tuple[list[float], float]:
+    n = tokens.shape[0]
+    empirical = torch.zeros(V, V, V)
+    empirical.index_put_((tokens[:, 0], tokens[:, 1], tokens[:, 2]), torch.ones(n), accumulate=True)
+    empirical /= n
+    per_position = []
+    for pos in range(K):
+        others = tuple(d for d in range(K) if d != pos)
+        per_position.append(0.5 * (empirical.sum(others) - exact.sum(others)).abs().sum().item())
+    return per_position, 0.5 * (empirical - exact).abs().sum().item()
+
+
+def thresholds(n: int) -> tuple[float, float]:
+    return 2 * 0.5 * (V / n) ** 0.5, 2 * 0.5 * (V**K / n) ** 0.5
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_is_lossless(small, temperature, top_p):
+    model, draft = small
+    n = 20000
+    tokens = sampled_tokens(model, draft, temperature, top_p, n)
+    exact = exact_joint(model, temperature, top_p)
+    per_position, joint = distances(tokens, exact)
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint
+    # The draft really disagrees with the target (else the check would be vacuous).
+    assert _draft_target_tv(model, draft, temperature, top_p) > 0.1
+
+
+def _draft_target_tv(model, draft, temperature, top_p) -> float:
+    pos = torch.arange(len(PROMPT))[None]
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        target_logits = model(tokens, pos).logits[:, -1]
+        trunk = model(tokens, pos, layers=range(0, 1)).hidden
+        draft_logits = draft.forward_train(trunk, None, pos)[0][:, -1]
+    args = (torch.tensor([temperature]), torch.tensor([0]), torch.tensor([top_p]))
+    return 0.5 * (processed_probs(target_logits, *args) - processed_probs(draft_logits, *args)).abs().sum().item()
+
+
+def _accept_all(draft_tokens, draft_probs, target_probs, generators):
+    batch, k = draft_tokens.shape
+    return VerifyResult(torch.full((batch,), k), sample(target_probs[:, k], generators))
+
+
+def _recover_from_target(draft_tokens, draft_probs, target_probs, generators):
+    result = _REAL_VERIFY(draft_tokens, draft_probs, target_probs, generators)
+    rows = torch.arange(draft_tokens.shape[0])
+    wrong = sample(target_probs[rows, result.num_accepted], generators)
+    rejected = result.num_accepted < draft_tokens.shape[1]
+    return VerifyResult(result.num_accepted, torch.where(rejected, wrong, result.next_token))
+
+
+_REAL_VERIFY = speculative.verify_sampled
+
+
+@pytest.mark.parametrize("broken", [_accept_all, _recover_from_target], ids=["accept-all", "recover-from-target"])
+def test_sampling_check_detects_a_broken_verifier(small, monkeypatch, broken):
+    model, draft = small
+    monkeypatch.setattr(speculative, "verify_sampled", broken)
+    n = 5000
+    tokens = sampled_tokens(model, draft, 1.0, 1.0, n)
+    per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) > position_max or joint > joint_max, (per_position, joint)
