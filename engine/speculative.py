@@ -122,6 +122,9 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
 
+    if eng.graphs.enabled and greedy and len(groups.items) == 1 and isinstance(rows, slice) and len(cfg.blocks()) == 1:
+        return _captured_greedy_round(eng, drafts[0], rows, rows_t, pos0, pending, gamma, kv_len)
+
     proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
 
     def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
@@ -225,3 +228,56 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         final_seq = torch.cat(verify_final, dim=1)  # (b, n, H)
         eng.store_deep_round(rows_t, pos0, trunk_seq, final_seq, num_accepted)
     return RoundResult(tokens, acc, dr, ps)
+
+
+def _captured_greedy_round(eng: "DecodeEngine", draft: Draft, rows: slice, rows_t: torch.Tensor, pos0: torch.Tensor,
+                           pending: torch.Tensor, gamma: int, kv_len: int) -> RoundResult:
+    """The GPU fast path for greedy rows of one draft with one verify per round (block_size >= gamma).
+
+    The whole drafting loop (gamma + 1 trunk steps, adapters, head, argmax) is one CUDA graph and the
+    verification another: the host only sees the round's result. Same tokens as the general loop.
+    """
+    model = eng.model
+    n_trunk = draft.shared_layers
+    deep = draft.feature_input == "deep"
+    kv_len = eng.kv_bucket(kv_len)
+    draft_kv = eng.draft_kv_len(kv_len)
+
+    def draft_all(pending, pos0, rows_t):
+        tokens, trunks, drafted, proxy = pending, [], [], None
+        ar = torch.arange(pending.shape[0], device=pending.device)
+        for j in range(gamma + 1):
+            positions = (pos0 + j)[:, None]  # (b, 1)
+            trunk = model(tokens[:, None], positions, layers=range(0, n_trunk), cache=eng.cache, rows=rows,
+                          kv_len=kv_len).hidden  # (b, 1, H)
+            trunks.append(trunk)
+            if j == gamma and deep:
+                break  # the next round's window rewrites this position's adapter KV
+            if deep and j == 0:
+                window, feats, index, win_pos = eng.deep_window(rows_t, trunk[:, 0], pos0)
+                ctx = model.context(win_pos, eng.draft_cache, rows, draft_kv)
+                out = draft.adapters_forward(window, feats, ctx)[ar, index]  # (b, H)
+            else:
+                ctx = model.context(positions, eng.draft_cache, rows, draft_kv)
+                out = draft.adapters_forward(trunk, proxy[:, None] if deep else None, ctx)[:, 0]
+            if j == gamma:
+                break  # last token: adapter KV written, no prediction needed
+            tokens = draft.head_logits(out).argmax(-1)
+            drafted.append(tokens)
+            if deep:
+                proxy = draft.proxy_feature(out)
+        return torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (b, gamma), (b, gamma + 1, H)
+
+    key = ("greedy-round", id(draft), rows.start, rows.stop, kv_len, gamma)
+    drafted, trunks = eng.graphs.run(key, draft_all, {"pending": pending, "pos0": pos0, "rows_t": rows_t})
+    q_pos = pos0[:, None] + torch.arange(gamma + 1, device=pos0.device)[None]  # (b, gamma + 1)
+    _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), trunks, rows,
+                                                    kv_len)
+    res = verify_greedy(drafted, target_logits)
+    if deep:
+        eng.store_deep_round(rows_t, pos0, trunks, final_hidden, res.num_accepted)
+    acc = res.num_accepted.tolist()
+    fin = res.next_token.tolist()
+    all_drafted = drafted.tolist()
+    b = len(acc)
+    return RoundResult([all_drafted[i][: acc[i]] + [fin[i]] for i in range(b)], acc, [gamma] * b, [1] * b)

@@ -1,0 +1,315 @@
+"""The GPU benchmark: every decoding path on the embedded default, side by side in one run.
+
+    python -m bench.gpu --drafts DIR [--seed-draft DIR] [--quick]
+
+Rows: transformers generate (eager, static cache, prompt lookup), engine AR (CUDA graphs), FlashSpec
+with the seed-default draft shape (block 2 and block gamma), FlashSpec with the best configuration
+(and with the speculation governor). Settings: batch 1 and 8; 512->256 and 32->20 tokens; greedy and
+T=1. Held-out prompts: bench/data/gpu_prompts.json (test splits of the three domains; each row
+drafts with its own domain's draft). Then a cost-model table on a 7B-shaped random-weight Llama,
+labelled as a projection. Tokens/s count new tokens over wall time, prefill included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.ar import setup_line
+
+DOMAINS = ("code", "general", "dialog")
+
+
+def cuda_ms(fn, iters: int = 50) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1000
+
+
+def pick_prompts(data: dict, kind: str, bs: int) -> tuple[list[list[int]], list[str]]:
+    """bs prompts cycling over the domains (bs 1: one per domain, run one after another)."""
+    ids, domains = [], []
+    n = max(bs, 3)
+    for i in range(n):
+        d = DOMAINS[i % 3]
+        ids.append(data[d][kind][i // 3])
+        domains.append(d)
+    return ids, domains
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        from engine.loading import load_model
+
+        self.args = args
+        self.loaded = load_model("default", device="cuda", dtype="bfloat16")
+        self.tok = self.loaded.tokenizer
+        self.prompts = json.loads(Path(args.prompts).read_text())
+        self.rows: list[dict] = []
+        self.hf = None
+
+    # ----- transformers --------------------------------------------------------------------
+    def hf_model(self):
+        if self.hf is None:
+            from transformers import AutoModelForCausalLM
+
+            self.hf = AutoModelForCausalLM.from_pretrained(str(self.loaded.path), dtype=torch.bfloat16).cuda().eval()
+        return self.hf
+
+    def run_hf(self, prompts, new, greedy, mode, bs):
+        hf = self.hf_model()
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=not greedy, pad_token_id=self.tok.eos_token_id)
+        if not greedy:
+            kw.update(temperature=1.0, top_p=1.0, top_k=0)
+        if mode == "static":
+            kw["cache_implementation"] = "static"
+        if mode == "lookup":
+            if bs != 1:
+                return None
+            kw["prompt_lookup_num_tokens"] = 5
+        batches = [prompts[i : i + bs] for i in range(0, len(prompts), bs)] if bs > 1 else [[p] for p in prompts]
+        if mode == "eager":
+            batches = batches[:1]  # about 25 tokens/s: one batch is enough to measure it
+
+        def once():
+            total = 0
+            for batch in batches:
+                width = max(len(p) for p in batch)
+                ids = torch.tensor([[self.tok.eos_token_id] * (width - len(p)) + p for p in batch], device="cuda")
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device="cuda")
+                out = hf.generate(input_ids=ids, attention_mask=mask, **kw)
+                total += (out.shape[1] - width) * len(batch)
+            return total
+
+        once()  # warm-up (static cache compiles/allocates on first use)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens = once()
+        torch.cuda.synchronize()
+        return {"tps": tokens / (time.perf_counter() - t0)}
+
+    # ----- engine ---------------------------------------------------------------------------
+    def run_engine(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
+                   reference=None):
+        from engine.generate import generate
+        from engine.governor import SpeculationGovernor
+        from engine.sampling import SamplingParams
+        from engine.scheduler import DecodeEngine
+        from engine.speculative import SpecConfig
+
+        max_len = max(len(p) for p in prompts) + new + 16
+        gov = SpeculationGovernor(enabled=governor, min_samples=4) if governor else None
+        eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
+                           spec=SpecConfig(gamma, block), governor=gov)
+        if drafts:
+            for d, draft in drafts.items():
+                eng.add_draft(d, draft)
+        names = [d if drafts else None for d in domains]
+        params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0, seed=None if greedy else 1000 + i,
+                                 eos_token_ids=()) for i in range(len(prompts))]
+        batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
+
+        def once():
+            outs = []
+            for b in batches:
+                outs += generate(eng, [prompts[i] for i in b], [params[i] for i in b], [names[i] for i in b])
+            return outs
+
+        if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
+            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=16, eos_token_ids=()), None)
+        once()  # warm-up: captures the CUDA graphs of every shape this workload meets
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        outs = once()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(o.token_ids) for o in outs)
+        rounds = sum(o.stats.rounds for o in outs if o.stats)
+        emitted = sum(o.stats.emitted for o in outs if o.stats)
+        drafted = sum(o.stats.drafted for o in outs if o.stats)
+        accepted = sum(o.stats.accepted for o in outs if o.stats)
+        row = {"tps": tokens / seconds, "mal": emitted / rounds if rounds else None,
+               "acc": accepted / drafted if drafted else None, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
+               "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs)}
+        if reference is not None and greedy:
+            agree = total = 0
+            for a, b in zip(row["outs"], reference):
+                n = min(len(a), len(b))
+                first_diff = next((i for i in range(n) if a[i] != b[i]), n)
+                agree += first_diff
+                total += n
+            row["agreement"] = agree / total if total else None
+        return row
+
+    def add(self, setting, name, row):
+        if row is None:
+            return
+        row = {k: v for k, v in row.items() if k != "outs"}
+        row.update(setting=setting, name=name)
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def load_drafts(folder: str | None, target) -> dict:
+    from drafts.checkpoint import load_draft
+
+    if not folder:
+        return {}
+    out = {}
+    for d in DOMAINS:
+        path = Path(folder) / d
+        if path.exists():
+            versions = sorted(p for p in path.iterdir() if (p / "manifest.json").exists())
+            if (path / "manifest.json").exists():
+                versions = [path]
+            if versions:
+                out[d] = load_draft(versions[-1], target, name=d)
+    return out
+
+
+def seed_default_drafts(folder: str | None, target) -> dict:
+    """The seed-default shape (N = round(L/4), A = 2, mlp_tied head): trained if given, else initialized from the target."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    loaded = load_drafts(folder, target)
+    if loaded:
+        return loaded
+    draft = DraftModel(target, DraftConfig(adapter_layers=2, head="mlp_tied"), name="seed")
+    draft.init_from_target()
+    return {d: draft for d in DOMAINS}
+
+
+def cost_model(gamma: int = 5, acceptance: list[float] | None = None) -> list[str]:
+    """Measured step costs of a 7B-shaped random-weight Llama; projected FlashSpec speedup (a projection)."""
+    from engine.config import ModelArgs
+    from engine.model import Transformer
+
+    args = ModelArgs(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32,
+                     num_heads=32, num_kv_heads=32, head_dim=128, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        model = Transformer(args, max_seq_len=2048).to(torch.bfloat16)
+    model.requires_grad_(False)
+    cache = model.new_cache(1, 2048)
+    pos_len = 1024
+    results = {}
+
+    def graph_ms(layers, k, hidden_in):
+        tokens = torch.zeros(1, k, dtype=torch.long, device="cuda")
+        pos = (pos_len + torch.arange(k, device="cuda"))[None]
+        hidden = torch.zeros(1, k, 4096, dtype=torch.bfloat16, device="cuda")
+
+        def fn():
+            return model(None if hidden_in else tokens, pos, layers=layers, hidden=hidden if hidden_in else None,
+                         cache=cache, kv_len=pos_len + 64).hidden
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return cuda_ms(g.replay, 30)
+
+    L, N, A = 32, 8, 2
+    results["full step, 1 token"] = graph_ms(range(0, L), 1, False)
+    results[f"trunk (layers 0-{N - 1}), 1 token"] = graph_ms(range(0, N), 1, False)
+    results["one layer (adapter), 1 token"] = graph_ms(range(N, N + 1), 1, True)
+    for k in (1, 3, 6):
+        results[f"deep layers {N}-{L - 1} + head, {k} tokens"] = graph_ms(range(N, L), k, True)
+    lines = ["| 7B-shaped step (bf16, CUDA graph, 1k context) | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in results.items()]
+    full = results["full step, 1 token"]
+    draft_tok = results[f"trunk (layers 0-{N - 1}), 1 token"] + A * results["one layer (adapter), 1 token"]
+    acc = acceptance or [0.8, 0.7, 0.6, 0.5, 0.45]
+    # Expected tokens per round with position-wise acceptance rates a_i: 1 + sum_j prod_{i<=j} a_i.
+    tau, p = 1.0, 1.0
+    expected_blocks = {}
+    for j in range(gamma):
+        p *= acc[min(j, len(acc) - 1)]
+        tau += p
+    for block in (2, gamma):
+        # A verify pass per block reached; block b is reached when all earlier drafts were accepted.
+        passes, reach = 0.0, 1.0
+        for start in range(0, gamma, block):
+            passes += reach
+            for j in range(start, min(start + block, gamma)):
+                reach *= acc[min(j, len(acc) - 1)]
+        verify = results[f"deep layers {N}-{L - 1} + head, {min(block + 1, 6) if block + 1 in (3, 6) else 3} tokens"]
+        cost = (gamma + 1) * draft_tok + passes * verify
+        expected_blocks[block] = (tau, cost, tau * full / cost)
+    lines += ["", f"Projection (not a measurement): N={N}, A={A}, gamma {gamma}, acceptance by position {acc}",
+              "| block | tokens per round | ms per round | projected speedup vs AR |", "|---|---|---|---|"]
+    lines += [f"| {b} | {t:.2f} | {c:.2f} | {s:.2f}x |" for b, (t, c, s) in expected_blocks.items()]
+    del model, cache
+    torch.cuda.empty_cache()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", default="bench/data/gpu_prompts.json")
+    parser.add_argument("--drafts", default=None, help="folder with <domain>/ trained drafts (best configuration)")
+    parser.add_argument("--seed-drafts", default=None, help="folder with <domain>/ trained seed-default-shape drafts")
+    parser.add_argument("--quick", action="store_true", help="bs 1 only, greedy only")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    bench = Bench(args)
+    target = bench.loaded.model
+    best = load_drafts(args.drafts, target)
+    seed = seed_default_drafts(args.seed_drafts, target)
+    settings = [(bs, kind, new, greedy) for bs in ((1,) if args.quick else (1, 8))
+                for kind, new in (("long", 256), ("short", 20)) for greedy in ((True,) if args.quick else (True, False))]
+    for bs, kind, new, greedy in settings:
+        setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
+        prompts, domains = pick_prompts(bench.prompts, kind, bs)
+        if not args.skip_hf:
+            for mode in ("eager", "static", "lookup"):
+                bench.add(setting, f"transformers generate ({mode})", bench.run_hf(prompts, new, greedy, mode, bs))
+        ar = bench.run_engine(prompts, domains, new, greedy, bs, None)
+        bench.add(setting, "engine AR", ar)
+        ref = ar["outs"]
+        bench.add(setting, "FlashSpec seed-default shape, block 2",
+                  bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
+        bench.add(setting, "FlashSpec seed-default shape, block gamma",
+                  bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
+        if best:
+            for block in (5, 2):
+                bench.add(setting, f"FlashSpec best drafts, block {block}",
+                          bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
+            bench.add(setting, "FlashSpec best drafts, block 5, governor",
+                      bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+    lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
+             f"prompts {args.prompts}", "",
+             "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
+             "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in bench.rows:
+        same = [x for x in bench.rows if x["setting"] == r["setting"]]
+        ar_tps = next((x["tps"] for x in same if x["name"] == "engine AR"), None)
+        st_tps = next((x["tps"] for x in same if x["name"] == "transformers generate (static)"), None)
+        fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
+        lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
+                     f"{fmt(r['tps'] / st_tps if st_tps else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('acc'))} | "
+                     f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} |")
+    if not args.skip_cost:
+        lines += [""] + cost_model()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
