@@ -27,36 +27,35 @@ def import_factory(path: str) -> DraftFactory:
 
 
 def store_factory(store_root: str | None) -> DraftFactory:
-    """Load versions from the draft store (user store first, then the shipped demo drafts)."""
+    """Load versions from the draft store: the user's store first, then the shipped demo drafts.
+
+    Version 'latest' (or 'active') means the domain's ACTIVE version there.
+    """
 
     def load(target, domain: str, version: str):
         from drafts.checkpoint import DraftLoadError, load_draft
-        from drafts.store import DraftStore, resolve_draft
+        from drafts.store import DraftStore, StoreError, default_store_root, resolve_draft, shipped_drafts_dir
 
+        root = Path(store_root).expanduser() if store_root else default_store_root()
         try:
-            if version in ("latest", ""):
-                path = resolve_draft(domain, store_root=store_root)
+            if version in ("latest", "active"):
+                path = resolve_draft(domain, store_root=root)
                 if path is None:
-                    raise DraftRefused(f"no draft for domain {domain!r} in the store or the demo drafts; "
-                                       f"train one or remove {domain!r} from user_config.drafts")
+                    raise DraftRefused(f"no active {domain!r} draft in {root} nor in the shipped demo drafts; "
+                                       f"publish and activate one, or leave {domain!r} out of user_config.drafts")
             else:
-                root = Path(store_root) if store_root else None
-                store = DraftStore(root) if root is not None else DraftStore(_default_store_root())
-                path = store.resolve(domain, version)
+                stores = [DraftStore(root, read_only=True), DraftStore(shipped_drafts_dir(), read_only=True)]
+                found = [s.domain_dir(domain) / version for s in stores if version in s.versions(domain)]
+                if not found:
+                    known = sorted({v for s in stores for v in s.versions(domain)})
+                    raise DraftRefused(f"domain {domain!r} has no version {version!r} in {root} nor in the demo "
+                                       f"drafts; versions: {', '.join(known) or 'none'}")
+                path = found[0]
             return load_draft(path, target, name=domain)
-        except DraftLoadError as exc:
+        except (DraftLoadError, StoreError) as exc:
             raise DraftRefused(f"draft {domain}/{version} cannot be loaded: {exc}") from exc
-        except (FileNotFoundError, KeyError, LookupError) as exc:
-            raise DraftRefused(f"draft {domain}/{version} is not in the store: {exc}; "
-                               f"list versions with `flashspec drafts list`") from exc
 
     return load
-
-
-def _default_store_root() -> Path:
-    from engine.loading import flashspec_home
-
-    return flashspec_home() / "store"
 
 
 def check_draft(draft, target, domain: str, version: str) -> None:
@@ -88,9 +87,4 @@ def load_checked(factory: DraftFactory, target, domain: str, version: str):
     except Exception as exc:  # any loader failure refuses the version; the old one keeps serving
         raise DraftRefused(f"draft {domain}/{version} cannot be loaded: {type(exc).__name__}: {exc}") from exc
     check_draft(draft, target, domain, version)
-    if hasattr(draft, "version"):
-        try:
-            draft.version = version
-        except AttributeError:
-            pass
     return draft

@@ -53,15 +53,18 @@ class GeneratorCore:
         self.replica = _replica_id()
         self.loaded = threading.Event()
         self.load_error: str | None = None
-        self.versions: dict[str, str] = {}  # domain -> active version
+        self.versions: dict[str, str] = {}  # domain -> active version (as the draft names itself)
+        self._requested: dict[str, str] = {}  # domain -> version asked for ('latest' resolves to a version)
         self.refusals: dict[str, str] = {}  # domain -> why the last activation was refused
         self._desired: GeneratorUserConfig | None = None
         self._swap = threading.Lock()
+        self._poll_lock = threading.Lock()
         self.factory = import_factory(args.draft_source) if args.draft_source else store_factory(args.draft_store)
         self.registry = registry
         self._registry_seq = 0
         self.loop: EngineLoop | None = None
-        threading.Thread(target=self._load, name="model-load", daemon=True).start()
+        self._caught_up = threading.Event()  # set once the registry's activations are applied
+        self._load()
 
     # ----- start-up ------------------------------------------------------------------------
     def _load(self) -> None:
@@ -78,16 +81,13 @@ class GeneratorCore:
             engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
                                   max_seq_len=self.args.max_seq_len, spec=spec,
                                   governor=SpeculationGovernor(enabled=self.args.governor))
-        except Exception as exc:  # reported by /health; the replica stays up to say why
-            log.exception("model load failed")
+        except Exception as exc:  # the replica fails to start and Serve reports why
             self.load_error = f"{type(exc).__name__}: {exc}"
-            return
+            raise
         self.model_name = loaded.name
         self.target, self.tokenizer = loaded.model, loaded.tokenizer
         self.loop = EngineLoop(engine, self.args.max_queue)
         self.loaded.set()
-        if self._desired is not None:
-            self.apply_user_config(self._desired)
         if self.registry is not None:
             threading.Thread(target=self._poll_registry, name="draft-registry", daemon=True).start()
 
@@ -99,7 +99,7 @@ class GeneratorCore:
             return {}
         results = {}
         for domain, version in config.drafts.items():
-            if self.versions.get(domain) != version:
+            if self._requested.get(domain) != version:
                 try:
                     results[domain] = self.activate(domain, version)
                 except DraftRefused as exc:
@@ -107,6 +107,7 @@ class GeneratorCore:
         for domain in set(self.versions) - set(config.drafts):
             self.loop.call(lambda eng, d=domain: eng.remove_draft(d)).result()
             self.versions.pop(domain, None)
+            self._requested.pop(domain, None)
             results[domain] = "removed"
         return results
 
@@ -125,25 +126,34 @@ class GeneratorCore:
             except ValueError as exc:  # the engine refuses an incompatible draft
                 self.refusals[domain] = f"draft {domain}/{version} refused: {exc}"
                 raise DraftRefused(self.refusals[domain]) from exc
-            self.versions[domain] = version
+            self.versions[domain] = str(getattr(draft, "version", None) or version)
+            self._requested[domain] = version
             self.refusals.pop(domain, None)
-            log.info("draft %s/%s active on replica %s", domain, version, self.replica)
+            log.info("draft %s/%s active on replica %s", domain, self.versions[domain], self.replica)
             return "ok"
 
-    def _poll_registry(self) -> None:
+    def catch_up(self) -> None:
+        """Apply the registry's activations newer than the last applied one (admin pushes)."""
         import ray
 
+        with self._poll_lock:
+            entries = ray.get(self.registry.poll.remote(self.replica, self._registry_seq), timeout=30)
+            for seq, domain, version in entries:
+                try:
+                    self.activate(domain, version)
+                    ok, message = True, "ok"
+                except DraftRefused as exc:
+                    ok, message = False, str(exc)
+                self._registry_seq = max(self._registry_seq, seq)
+                ray.get(self.registry.ack.remote(self.replica, seq, ok, message, self.versions.get(domain, "")))
+        self._caught_up.set()
+
+    def _poll_registry(self) -> None:
+        # user_config first (reconfigure runs right after __init__), then the admin pushes on top of it.
+        self._caught_up.wait(timeout=10)
         while True:
             try:
-                entries = ray.get(self.registry.poll.remote(self.replica, self._registry_seq), timeout=10)
-                for seq, domain, version in entries:
-                    try:
-                        self.activate(domain, version)
-                        ok, message = True, "ok"
-                    except DraftRefused as exc:
-                        ok, message = False, str(exc)
-                    self._registry_seq = max(self._registry_seq, seq)
-                    ray.get(self.registry.ack.remote(self.replica, seq, ok, message, self.versions.get(domain, "")))
+                self.catch_up()
             except Exception:  # the registry restarts or is slow: try again next round
                 log.exception("draft registry poll failed")
             time.sleep(POLL_S)
@@ -238,6 +248,11 @@ class Generator:
         for domain, result in results.items():
             if result.startswith("refused"):
                 log.error("user_config draft for %s %s (the old version keeps serving)", domain, result)
+        if not self.core._caught_up.is_set():  # a new replica: take the admin pushes before serving
+            try:
+                await asyncio.to_thread(self.core.catch_up)
+            except Exception:
+                log.exception("draft registry catch-up failed; the poller retries")
 
     async def activate(self, domain: str, version: str) -> dict:
         try:
@@ -253,7 +268,3 @@ class Generator:
     async def generate(self, req: dict):
         async for item in self.core.generate(req):
             yield item
-
-    def check_health(self) -> None:
-        if self.core.load_error:
-            raise RuntimeError(self.core.load_error)

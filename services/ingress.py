@@ -181,7 +181,8 @@ class Ingress:
                "prompt_tokens": first["prompt_tokens"]}
         if body.stream:
             return StreamingResponse(self._events(stream, ctx), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id,
+                                              "X-FlashSpec-Replica": first["replica"]})
         return await self._collect(stream, ctx)
 
     def _finish(self, ctx: dict, final: dict, ttft: float | None) -> dict:
@@ -286,6 +287,8 @@ class Ingress:
             await asyncio.sleep(0.1)
         refused = {r: a["message"] for r, a in outcome["acks"].items() if not a["ok"]}
         if refused:
+            if len(refused) == len(outcome["acks"]):
+                await self.registry.withdraw.remote(seq)
             reasons = "; ".join(f"replica {r}: {m}" for r, m in sorted(refused.items()))
             raise APIError(400, f"draft {body.domain}/{body.version} refused, the previous version keeps serving: "
                                 f"{reasons}", "draft_refused", "version")

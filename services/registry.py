@@ -30,6 +30,10 @@ class DraftRegistry:
         self.entries.append((self.seq, domain, version))
         return self.seq
 
+    def withdraw(self, seq: int) -> None:
+        """Forget a refused activation, so replicas starting later do not try it again."""
+        self.entries = [e for e in self.entries if e[0] != seq]
+
     def poll(self, replica: str, after: int) -> list[tuple[int, str, str]]:
         """Entries newer than `after`; only the newest per domain matters."""
         self.seen[replica] = time.monotonic()
