@@ -80,3 +80,17 @@ def test_held_out_prompts_sample_the_split_and_skip_overlong_ones(tmp_path):
     assert sorted(got) == sorted([list(b"short"), list(b"tiny")])
     with pytest.raises(ValueError, match="at most 2 tokens"):
         held_out_prompts("code", ByteTokenizer(), 5, "validation", max_prompt_tokens=2, data_dir=tmp_path)
+
+
+def test_domain_matrix_measures_every_pair(target):
+    from bench.domains import domain_matrix, format_table
+
+    drafts = {}
+    for name, n in (("code", 1), ("dialog", 4)):
+        drafts[name] = DraftModel(target, DraftConfig(shared_layers=n, adapter_layers=4 - n, head="mlp_tied"), name=name)
+        drafts[name].init_from_target()
+    table = domain_matrix(target, None, drafts, {"code": prompts(1), "dialog": prompts(2)}, max_new_tokens=11)
+    assert set(table) == {"code", "dialog"} and all(set(row) == {"code", "dialog"} for row in table.values())
+    assert table["dialog"]["code"] == 6.0  # all 4 layers in the draft: the target itself, every draft accepted
+    text = format_table(table, ["code", "dialog"])
+    assert "**6.000**" in text and "matched/best-other on code" in text
