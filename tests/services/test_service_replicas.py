@@ -96,6 +96,7 @@ def _finish_stream(response: httpx.Response) -> list[str]:
     return [line for line in response.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.slow
 def test_killing_a_replica_fails_only_its_in_flight_requests(base):
     streams = [_open_stream(base) for _ in range(6)]
     by_replica: dict[str, list] = {}
