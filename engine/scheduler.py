@@ -45,8 +45,11 @@ class DecodeEngine:
         eos_token_ids: Iterable[int] | None = None,
         governor: SpeculationGovernor | None = None,
         cuda_graphs: bool | None = None,
+        ar_steps_per_sync: int | None = None,
     ) -> None:
-        """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA)."""
+        """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA).
+        ar_steps_per_sync: plain decoding steps run back to back on the device before the host looks at
+        the tokens (default 1 on CPU, 4 on CUDA; tokens past a stop condition are discarded)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -59,6 +62,7 @@ class DecodeEngine:
         self.dtype = model.embed_tokens.weight.dtype
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = GraphCache(enabled=use_graphs)
+        self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
         self.draft_cache: KVCache | None = None
@@ -169,10 +173,10 @@ class DecodeEngine:
         if ar_rows:
             t0 = time.perf_counter()
             new = self._ar_step(ar_rows)
-            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, len(ar_rows))
-            for s, tok in zip(ar_rows, new):
-                s.length += 1
-                outputs.append(self._commit(s, [tok]))
+            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
+            for s, toks in zip(ar_rows, new):
+                s.length += len(toks)
+                outputs.append(self._commit(s, toks))
         if spec_rows:
             t0 = time.perf_counter()
             result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
@@ -255,8 +259,11 @@ class DecodeEngine:
                     final = model.norm(hidden)  # (b, T, H) the target's final hidden states
                 # The feature at position q is the target's hidden state at q - 1 (zeros at q = 0).
                 feats = torch.cat([torch.zeros_like(final[sel, :1]), final[sel, :-1]], dim=1)
-            ctx = model.context(pos[sel], self.draft_cache, rows[sel], self.draft_kv_len(t_max))
-            draft.adapters_forward(trunk[sel], feats, ctx)
+            if isinstance(self.draft_cache, WindowedKVCache):
+                self._prefill_windowed(draft, [batch[i] for i in idx], trunk[sel], feats, last[sel])
+            else:
+                ctx = model.context(pos[sel], self.draft_cache, rows[sel], self.draft_kv_len(t_max))
+                draft.adapters_forward(trunk[sel], feats, ctx)
             if draft.feature_input == "deep":
                 g_rows = rows[sel]
                 ar = torch.arange(len(idx), device=self.device)
@@ -264,10 +271,29 @@ class DecodeEngine:
                 self.round_start[g_rows] = last[sel] + 1
                 self.round_feat[g_rows, 0] = self.last_feature[g_rows]
 
+    def _prefill_windowed(self, draft, batch, trunk, feats, last) -> None:
+        """Adapter prefill into a ring buffer: each row on its own real positions, in chunks no longer
+        than the ring's slack, so no chunk evicts a position its own queries still attend to."""
+        cache = self.draft_cache
+        chunk = cache.max_seq_len - cache.window
+        for i, s in enumerate(batch):
+            n = int(last[i]) + 1
+            row = torch.tensor([s.slot], device=self.device)
+            for start in range(0, n, chunk):
+                stop = min(start + chunk, n)
+                pos = torch.arange(start, stop, device=self.device)[None]
+                ctx = self.model.context(pos, cache, row, cache.max_seq_len)
+                f = feats[i : i + 1, start:stop] if feats is not None else None
+                draft.adapters_forward(trunk[i : i + 1, start:stop], f, ctx)
+
     def _sample(self, batch: list[SlotState], logits: torch.Tensor) -> list[int]:
         """One token per row from logits (b, V), each row with its own parameters and generator."""
+        return self._sample_device(batch, logits).tolist()
+
+    def _sample_device(self, batch: list[SlotState], logits: torch.Tensor) -> torch.Tensor:
+        """(b,) tokens, left on the device."""
         if all(s.request.params.greedy for s in batch):
-            return logits.argmax(-1).tolist()
+            return logits.argmax(-1)
         device = self.device
         probs = processed_probs(
             logits,
@@ -275,15 +301,25 @@ class DecodeEngine:
             torch.tensor([s.request.params.top_k for s in batch], device=device),
             torch.tensor([s.request.params.top_p for s in batch], device=device),
         )
-        return sample(probs, [s.generator for s in batch]).tolist()
+        return sample(probs, [s.generator for s in batch])
 
-    def _ar_step(self, batch: list[SlotState]) -> list[int]:
+    def _ar_step(self, batch: list[SlotState]) -> list[list[int]]:
+        """`ar_steps_per_sync` plain decoding steps for these rows, tokens fed back on the device;
+        one host transfer at the end. Returns each row's new tokens (stop conditions apply later)."""
         device = self.device
         rows = row_index([s.slot for s in batch], device)
-        pos = torch.tensor([[s.length] for s in batch], device=device)
-        tokens = torch.tensor([[s.pending] for s in batch], device=device)
-        _, _, logits = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows, int(pos.max()) + 1)
-        return self._sample(batch, logits[:, -1])
+        steps = max(1, min(self.ar_steps_per_sync, *(s.request.params.max_new_tokens - len(s.output_ids) for s in batch),
+                           *(self.max_seq_len - 1 - s.length for s in batch)))
+        pos = torch.tensor([[s.length] for s in batch], device=device)  # (b, 1)
+        tokens = torch.tensor([[s.pending] for s in batch], device=device)  # (b, 1)
+        new = []
+        for i in range(steps):
+            _, _, logits = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows,
+                                           int(max(s.length for s in batch)) + i + 1)
+            tokens = self._sample_device(batch, logits[:, -1])[:, None]
+            new.append(tokens)
+            pos = pos + 1
+        return torch.cat(new, dim=1).tolist()
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
     def kv_bucket(self, kv_len: int) -> int:
@@ -370,16 +406,30 @@ class DecodeEngine:
 
     # ----- results ------------------------------------------------------------------------
     def _commit(self, s: SlotState, new_tokens: list[int]) -> RequestOutput:
-        """Append produced tokens, apply stop conditions, free the row when finished."""
+        """Append produced tokens, apply stop conditions, free the row when finished.
+
+        Tokens are taken one at a time, so a stop condition inside a speculative round (EOS, a stop
+        string, max_new_tokens, the context) ends the output exactly where plain decoding would.
+        """
         params = s.request.params
         kept: list[int] = []
         reason = None
+        text = ""
+        prompt_len = len(s.request.prompt_ids)
         for tok in new_tokens:
             if tok in s.eos:
                 reason = "stop"
                 break
             kept.append(tok)
+            if s.text_stream is not None:
+                text += s.text_stream.push([tok])
+                if s.text_stream.stopped:
+                    reason = "stop"
+                    break
             if len(s.output_ids) + len(kept) >= params.max_new_tokens:
+                reason = "length"
+                break
+            if prompt_len + len(s.output_ids) + len(kept) >= self.max_seq_len:
                 reason = "length"
                 break
         if s.first_token_at is None:
@@ -387,13 +437,6 @@ class DecodeEngine:
         s.output_ids.extend(kept)
         if new_tokens:
             s.pending = new_tokens[-1]
-        text = ""
-        if s.text_stream is not None:
-            text = s.text_stream.push(kept)
-            if s.text_stream.stopped:
-                reason = "stop"
-        if reason is None and s.length + 1 >= self.max_seq_len:
-            reason = "length"
         finished = reason is not None
         if finished and s.text_stream is not None:
             text += s.text_stream.flush()

@@ -183,7 +183,6 @@ def test_greedy_with_a_windowed_draft_cache_is_lossless(target, deep, window):
         assert all(r.stats.acceptance_rate == 1.0 for r in results)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: ragged prefill writes padding positions into the windowed draft cache, evicting short rows' context")
 def test_windowed_draft_cache_keeps_short_rows_context_in_a_ragged_batch(target):
     """A short prompt prefilled beside a long one keeps its own context in the draft's ring buffer:
     with a window covering the short row's whole sequence, the oracle accepts everything there."""
@@ -283,7 +282,6 @@ def test_max_new_tokens_is_exact(target, new):
     assert all(len(r.token_ids) == new and r.finish_reason == "length" for r in results)
 
 
-@pytest.mark.xfail(strict=True, reason="engine: _commit keeps a whole speculative round past max_seq_len")
 def test_context_limit_is_the_same_as_autoregressive(target):
     """The engine's context (prompt + output <= max_seq_len) holds when a round could overshoot it."""
     for length in (10, 12):
@@ -294,7 +292,6 @@ def test_context_limit_is_the_same_as_autoregressive(target):
         assert result.finish_reason == "length"
 
 
-@pytest.mark.xfail(strict=True, reason="engine: _commit returns the round's tokens after a stop string")
 def test_stop_string_inside_accepted_tokens(tiny_target):
     target, tok = tiny_target.model, tiny_target.tokenizer
     plain = DecodeEngine(target, tok, max_batch_size=1, max_seq_len=128)
