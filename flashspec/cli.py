@@ -155,6 +155,30 @@ def bench_spec(
         threads=threads)
 
 
+@app.command()
+def serve(
+    config: Annotated[Path, typer.Option(help="Serve config YAML (the one docker-compose and the RayService use).")] = Path("services/serve_config.yaml"),
+    host: Annotated[str, typer.Option(help="HTTP host; 127.0.0.1 keeps it on this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="HTTP port.")] = 8000,
+    num_cpus: Annotated[Optional[int], typer.Option(help="CPUs Ray may use (default: all).")] = None,
+) -> None:
+    """Start Ray light and serve the app (OpenAI API under /v1) until Ctrl-C."""
+    from services.run import main as run_main
+
+    args = ["--config", str(config), "--host", host, "--port", str(port)]
+    if num_cpus:
+        args += ["--num-cpus", str(num_cpus)]
+    raise typer.Exit(code=run_main(args))
+
+
+@bench_app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench_serve(ctx: typer.Context) -> None:
+    """Concurrent streaming clients against a local app, speculation on vs off (see bench/serve.py --help)."""
+    from bench.serve import main as serve_main
+
+    raise typer.Exit(code=serve_main(list(ctx.args)) or 0)
+
+
 def _register_optional() -> None:
     """Commands of the other packages; each imports its heavy dependencies only when it runs."""
     try:
@@ -176,13 +200,6 @@ def _register_optional() -> None:
                 target.command(name)(getattr(tcli, attr))
     except ImportError as exc:  # datasets missing
         logging.getLogger(__name__).debug("training commands unavailable: %s", exc)
-    try:
-        from services import run as srun
-
-        if hasattr(srun, "serve_command"):
-            app.command("serve")(srun.serve_command)
-    except ImportError as exc:  # ray missing
-        logging.getLogger(__name__).debug("serve command unavailable: %s", exc)
 
 
 _register_optional()

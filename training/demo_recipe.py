@@ -1,0 +1,173 @@
+"""The recipe that trains the shipped demo drafts (and the benchmark's seed-default-shape drafts).
+
+    python -m training.demo_recipe export --out DIR      # here: corpora -> plain JSON (gzip)
+    python -m training.demo_recipe train --data DIR --out DIR --device cuda
+
+`export` writes the rows training needs as plain JSON, so the GPU machine needs no `datasets`.
+`train` runs the same pipeline pieces as `flashspec train-draft` per domain: self-distillation
+(the target's own greedy replies to the domain's training prompts), teacher-forced distillation,
+evaluation with the real decoder on validation prompts, then a fp16 checkpoint with its manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import time
+from pathlib import Path
+
+import torch
+
+DOMAINS = ("code", "general", "dialog")
+
+# The demo drafts' shape: a cheap trunk (2 shared layers), one adapter, deep features, an 8k
+# sub-vocabulary head tied to the target's lm_head: 4.5 M own parameters, 9 MB in fp16.
+DEMO = dict(shared_layers=2, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
+# The shape the write-up describes: N = round(L/4), A = 2, full vocabulary, no deep features.
+SEED_DEFAULT = dict(shared_layers=None, adapter_layers=2, head="mlp_tied", feature_input="none", head_vocab=None)
+
+
+class Rows(dict):
+    """Columns as lists, with the `column_names` the pipeline functions look for."""
+
+    @property
+    def column_names(self) -> list[str]:
+        return list(self.keys())
+
+    def __len__(self) -> int:
+        return len(next(iter(self.values()), []))
+
+
+def export(out: Path, train_rows: int, val_rows: int) -> None:
+    from training.corpora import load_domain
+
+    out.mkdir(parents=True, exist_ok=True)
+    for domain in DOMAINS:
+        data = {}
+        for split, n in (("train", train_rows), ("validation", val_rows)):
+            ds = load_domain(domain, split)
+            ds = ds.shuffle(seed=0).select(range(min(n, len(ds))))
+            data[split] = {"prompt": list(ds["prompt"]), "text": list(ds["text"])}
+        with gzip.open(out / f"{domain}.json.gz", "wt") as f:
+            json.dump(data, f)
+        print(domain, {k: len(v["prompt"]) for k, v in data.items()})
+
+
+def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args, out: Path) -> dict:
+    from drafts.checkpoint import save_draft
+    from training.distill import TrainConfig, domain_sequences, frequent_vocab, train
+    from training.evaluate import evaluate_draft
+    from training.selfdistill import self_distill
+
+    tok, model = loaded.tokenizer, loaded.model
+    t0 = time.perf_counter()
+    replies = self_distill(model, tok, domain_name, rows, args.self_distill,
+                           max_new_tokens=args.reply_tokens, batch_size=args.gen_batch, progress=False)
+    t_gen = time.perf_counter() - t0
+    cfg = TrainConfig(domain=domain_name, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                      lr_adapters=args.lr_adapters, lr_head=args.lr_head, warmup_steps=args.steps // 20,
+                      eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
+                      out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False, **shape)
+    data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies)
+    val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
+    vocab_ids = None
+    if cfg.head_vocab:
+        vocab_ids = frequent_vocab(data, cfg.head_vocab, loaded.args.vocab_size,
+                                   [*tok.all_special_ids, *loaded.args.eos_token_ids])
+    t1 = time.perf_counter()
+    result = train(cfg, model, data, val_data, vocab_ids, progress=False)
+    t_train = time.perf_counter() - t1
+    draft = result.draft.to(model.embed_tokens.weight.dtype).eval()
+    prompts = [tok(p, add_special_tokens=False).input_ids[-args.eval_prompt_tokens:] for p in val["prompt"][: args.eval_prompts]]
+    report = evaluate_draft(model, tok, draft, prompts, max_new_tokens=args.eval_tokens, blocks=(5,), quality=False)
+    summary = {"steps": result.step, "train_seconds": round(t_train, 1), "self_distill_seconds": round(t_gen, 1),
+               "sequences": len(data), "self_distilled": len(replies), "recipe": "training/demo_recipe.py",
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "config": cfg.model_dump(exclude={"out_dir", "resume"}),
+               "held_out": next((h["eval"] for h in reversed(result.history) if "eval" in h), None)}
+    metrics = {k: v for k, v in report.items() if k != "draft"}
+    folder = save_draft(draft, out / args.tag / domain_name / args.version, domain_name, args.version,
+                        training=summary, metrics=metrics)
+    (out / args.tag / domain_name / "ACTIVE").write_text(args.version + "\n")
+    line = {"domain": domain_name, "tag": args.tag, "train_s": round(t_train, 1), "gen_s": round(t_gen, 1),
+            "mean_accepted_length": report.get("mean_accepted_length"), "acceptance_rate": report.get("acceptance_rate"),
+            "by_position": report.get("acceptance_by_position"), "folder": str(folder)}
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def matrix(args, loaded) -> None:
+    """Mean accepted length of every (draft x prompt domain) pair, greedy, gamma 5, one verify per round."""
+    from bench.domains import domain_matrix, format_table
+    from drafts.checkpoint import load_draft
+
+    tok = loaded.tokenizer
+    prompts = {}
+    for d in DOMAINS:
+        val = json.load(gzip.open(args.data / f"{d}.json.gz", "rt"))["validation"]["prompt"]
+        prompts[d] = [tok(p, add_special_tokens=False).input_ids[-512:] for p in val[: args.prompts]]
+    drafts = {}
+    for name in (*DOMAINS, "mixed"):
+        folder = args.drafts / name
+        if (folder / "ACTIVE").exists():
+            drafts[name] = load_draft(folder / (folder / "ACTIVE").read_text().strip(), loaded.model, name=name)
+    table = domain_matrix(loaded.model, tok, drafts, prompts, args.tokens)
+    print(json.dumps(table))
+    print(format_table(table, list(DOMAINS)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--train-rows", type=int, default=2000)
+    e.add_argument("--val-rows", type=int, default=64)
+    t = sub.add_parser("train")
+    t.add_argument("--data", type=Path, required=True)
+    t.add_argument("--out", type=Path, required=True)
+    t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
+    t.add_argument("--shape", choices=("demo", "seed-default"), default="demo")
+    t.add_argument("--tag", default="demo")
+    t.add_argument("--version", default="demo-v1")
+    t.add_argument("--device", default="cuda")
+    t.add_argument("--steps", type=int, default=1200)
+    t.add_argument("--batch-size", type=int, default=32)
+    t.add_argument("--seq-len", type=int, default=384)
+    t.add_argument("--lr-adapters", type=float, default=3e-4)
+    t.add_argument("--lr-head", type=float, default=6e-4)
+    t.add_argument("--self-distill", type=int, default=1500, help="prompts answered by the target (0: raw text only)")
+    t.add_argument("--reply-tokens", type=int, default=160)
+    t.add_argument("--gen-batch", type=int, default=64)
+    t.add_argument("--eval-prompts", type=int, default=16)
+    t.add_argument("--eval-tokens", type=int, default=96)
+    t.add_argument("--eval-prompt-tokens", type=int, default=512)
+    m = sub.add_parser("matrix", help="domain matrix of the trained drafts on held-out prompts of each domain")
+    m.add_argument("--data", type=Path, required=True)
+    m.add_argument("--drafts", type=Path, required=True, help="folder with <name>/<version>/ drafts (code, general, dialog, mixed)")
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--prompts", type=int, default=16)
+    m.add_argument("--tokens", type=int, default=96)
+    args = parser.parse_args()
+    if args.cmd == "export":
+        export(args.out, args.train_rows, args.val_rows)
+        return
+    from engine.loading import load_model
+
+    loaded = load_model("default", device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32")
+    if args.cmd == "matrix":
+        matrix(args, loaded)
+        return
+    shape = DEMO if args.shape == "demo" else SEED_DEFAULT
+    data = {d: json.load(gzip.open(args.data / f"{d}.json.gz", "rt")) for d in DOMAINS}
+    for domain in args.domains.split(","):
+        names = DOMAINS if domain == "mixed" else (domain,)
+        rows = Rows({c: sum((data[n]["train"][c][: len(data[n]["train"][c]) // len(names)] for n in names), [])
+                     for c in ("prompt", "text")})
+        val = Rows({c: sum((data[n]["validation"][c] for n in names), []) for c in ("prompt", "text")})
+        train_one(domain, rows, val, shape, loaded, args, args.out)
+
+
+if __name__ == "__main__":
+    main()
