@@ -29,11 +29,8 @@ class SdpaBackend:
     name = "sdpa"
 
     def __call__(self, q, k, v, mask):
-        if k.shape[1] != q.shape[1]:
-            groups = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # GQA without materializing repeated K/V heads.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class FlexBackend:
