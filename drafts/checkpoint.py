@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
+from engine.loading import sha256_file
 from engine.model import Transformer
 
 FORMAT_VERSION = 1
@@ -31,14 +32,6 @@ _FINGERPRINT_SAMPLES = 256
 
 class DraftLoadError(RuntimeError):
     """A draft checkpoint cannot be used with this target; the message says what differs and what to do."""
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def target_fingerprint(model: Transformer) -> str:
@@ -105,7 +98,7 @@ def save_draft(
         "metrics": metrics or {},
         "tensors": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in tensors.items()},
         "weights_file": WEIGHTS,
-        "weights_sha256": _sha256(tmp_weights),
+        "weights_sha256": sha256_file(tmp_weights),
     }
     tmp_manifest = out_dir / f".{MANIFEST}.tmp-{os.getpid()}"
     tmp_manifest.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
@@ -145,7 +138,7 @@ def load_draft(path: str | Path, target_model: Transformer, name: str | None = N
     weights = folder / manifest.get("weights_file", WEIGHTS)
     if not weights.is_file():
         raise DraftLoadError(f"{weights} is missing (listed in {folder / MANIFEST}); re-publish or re-train the draft")
-    actual = _sha256(weights)
+    actual = sha256_file(weights)
     if actual != manifest["weights_sha256"]:
         raise DraftLoadError(
             f"{weights} has sha256 {actual[:16]}..., the manifest says {manifest['weights_sha256'][:16]}...: "

@@ -1,10 +1,16 @@
 """Keeps speculation from making decoding slower: measured cost per token, per draft, online.
 
-Every autoregressive step and every speculative round reports its wall time and the tokens it
-produced. The governor keeps an exponential moving average of seconds per token for plain decoding
-and for each draft, and turns a draft off (its requests decode plainly) while its cost per token is
-above plain decoding's. A disabled draft is still tried on every `probe_every`-th request so its
-estimate follows the traffic, and plain decoding is probed likewise while everything speculates.
+Every plain decoding step and every speculative round reports its wall time, its batch size and
+the tokens it produced. The governor keeps an exponential moving average of seconds per token for
+plain decoding and for each draft, per batch-size bucket (a batched plain step is much cheaper per
+token than a single one, so only like is compared with like), and speculation for a draft stays on
+only while its cost per token is at most plain decoding's:
+- a new request for a draft that does not pay decodes plainly (every `probe_every`-th one still
+  speculates, so the estimate follows the traffic);
+- a running request whose draft stops paying drops to plain decoding for the rest of its tokens
+  (always safe: the target cache is complete);
+- while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
+`DecodeEngine.calibrate()` seeds the plain-decoding estimate at start-up.
 """
 
 from __future__ import annotations
@@ -23,8 +29,16 @@ class _Ema:
         self.count += 1
 
 
+def batch_bucket(rows: int) -> int:
+    """1, 2, 4, 8, 16, ...: the power of two at or above the batch size."""
+    bucket = 1
+    while bucket < rows:
+        bucket *= 2
+    return bucket
+
+
 class SpeculationGovernor:
-    def __init__(self, enabled: bool = True, alpha: float = 0.1, min_samples: int = 8, probe_every: int = 16,
+    def __init__(self, enabled: bool = True, alpha: float = 0.2, min_samples: int = 4, probe_every: int = 16,
                  tolerance: float = 1.0) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost."""
         self.enabled = enabled
@@ -32,39 +46,54 @@ class SpeculationGovernor:
         self.min_samples = min_samples
         self.probe_every = probe_every
         self.tolerance = tolerance
-        self._ar = _Ema()
-        self._spec: dict[str, _Ema] = {}
+        self._ar: dict[int, _Ema] = {}
+        self._spec: dict[tuple[str, int], _Ema] = {}
         self._admissions: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
         if tokens:
             with self._lock:
-                self._ar.update(seconds / tokens, self.alpha)
+                self._ar.setdefault(batch_bucket(rows), _Ema()).update(seconds / tokens, self.alpha)
 
     def observe_spec(self, draft: str, rows: int, seconds: float, tokens: int) -> None:
         if tokens:
             with self._lock:
-                self._spec.setdefault(draft, _Ema()).update(seconds / tokens, self.alpha)
+                self._spec.setdefault((draft, batch_bucket(rows)), _Ema()).update(seconds / tokens, self.alpha)
 
-    def allow(self, draft: str) -> bool:
-        """Should the next request for `draft` speculate?"""
+    def _pays(self, draft: str, rows: int) -> bool | None:
+        """True/False once both sides have enough samples at this batch size; None before."""
+        bucket = batch_bucket(rows)
+        spec, ar = self._spec.get((draft, bucket)), self._ar.get(bucket)
+        if spec is None or ar is None or spec.count < self.min_samples or ar.count < self.min_samples:
+            return None
+        return spec.value <= self.tolerance * ar.value
+
+    def allow(self, draft: str, rows: int = 1) -> bool:
+        """Should the next request for `draft` speculate (at about `rows` running requests)?"""
         if not self.enabled:
             return True
         with self._lock:
             n = self._admissions.get(draft, 0) + 1
             self._admissions[draft] = n
-            spec, ar = self._spec.get(draft), self._ar
-            if spec is None or spec.count < self.min_samples:
-                return True
-            if ar.count < self.min_samples:
-                return n % self.probe_every != 0  # measure plain decoding now and then
-            pays = spec.value <= self.tolerance * ar.value
-            return pays or n % self.probe_every == 0
+            pays = self._pays(draft, rows)
+            probe = n % self.probe_every == 0
+            if pays is None:
+                ar = self._ar.get(batch_bucket(rows))
+                missing_ar = ar is None or ar.count < self.min_samples
+                return not (missing_ar and probe)  # measure plain decoding now and then
+            return pays or probe
+
+    def keep_speculating(self, draft: str, rows: int) -> bool:
+        """Should a running request of `draft` go on speculating?"""
+        if not self.enabled:
+            return True
+        with self._lock:
+            return self._pays(draft, rows) is not False
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
-                "ar_seconds_per_token": self._ar.value,
-                "spec_seconds_per_token": {k: v.value for k, v in self._spec.items()},
+                "ar_seconds_per_token": {b: e.value for b, e in self._ar.items()},
+                "spec_seconds_per_token": {f"{d}@{b}": e.value for (d, b), e in self._spec.items()},
             }

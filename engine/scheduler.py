@@ -154,6 +154,14 @@ class DecodeEngine:
                 return True
         return False
 
+    def calibrate(self, prompt_tokens: int = 32, new_tokens: int = 24) -> None:
+        """Seed the governor's plain-decoding cost (batch 1) with a short generation on a dummy prompt."""
+        from engine.generate import generate
+        from engine.sampling import SamplingParams
+
+        prompt = [(i * 7919) % self.model.args.vocab_size for i in range(1, prompt_tokens + 1)]
+        generate(self, [prompt], SamplingParams(max_new_tokens=new_tokens, eos_token_ids=()))
+
     @property
     def num_running(self) -> int:
         return sum(s is not None for s in self.slots)
@@ -181,13 +189,16 @@ class DecodeEngine:
             t0 = time.perf_counter()
             result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
             elapsed = time.perf_counter() - t0
+            tokens = sum(len(t) for t in result.tokens)
+            for name in {s.request.draft for s in spec_rows}:
+                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
             for i, s in enumerate(spec_rows):
                 s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
                 s.length += result.num_accepted[i] + 1
                 outputs.append(self._commit(s, result.tokens[i]))
-            tokens = sum(len(t) for t in result.tokens)
-            for name in {s.request.draft for s in spec_rows}:
-                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
+                if (self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
+                        and not self.governor.keep_speculating(s.request.draft or "", len(spec_rows))):
+                    s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
 
     def _admit(self) -> list[RequestOutput]:
@@ -201,7 +212,7 @@ class DecodeEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(req.params.seed)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not self.governor.allow(req.draft):
+            if draft is not None and not self.governor.allow(req.draft, self.num_running + len(batch) + 1):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
@@ -450,6 +461,6 @@ class DecodeEngine:
             finish_reason=reason,
             prompt_tokens=len(s.request.prompt_ids),
             completion_tokens=len(s.output_ids),
-            stats=s.stats if s.draft is not None else None,
-            draft=s.request.draft if s.draft is not None else None,
+            stats=s.stats if s.stats.rounds else None,
+            draft=s.request.draft if s.stats.rounds else None,
         )

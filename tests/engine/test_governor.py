@@ -1,0 +1,72 @@
+"""The speculation governor: speculation stays on only while it pays, measured per batch-size bucket."""
+
+from engine.governor import SpeculationGovernor, batch_bucket
+
+
+def feed(gov, draft, ar_cost, spec_cost, rows=1, n=8):
+    for _ in range(n):
+        gov.observe_ar(rows, ar_cost * rows, rows)
+        gov.observe_spec(draft, rows, spec_cost * 3, 3)
+
+
+def test_buckets():
+    assert [batch_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_unknown_costs_speculate_and_probe_plain_decoding():
+    gov = SpeculationGovernor(probe_every=4)
+    decisions = [gov.allow("code") for _ in range(8)]
+    assert decisions == [True, True, True, False, True, True, True, False]  # every 4th measures plain decoding
+    assert gov.keep_speculating("code", 1)
+
+
+def test_slow_draft_is_turned_off_except_probes():
+    gov = SpeculationGovernor(probe_every=4)
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
+    assert not gov.keep_speculating("code", 1)
+    assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
+
+
+def test_paying_draft_stays_on_and_buckets_are_separate():
+    gov = SpeculationGovernor()
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.005, rows=1)
+    feed(gov, "code", ar_cost=0.002, spec_cost=0.004, rows=8)  # batched plain decoding is cheaper per token
+    assert gov.allow("code", 1) and gov.keep_speculating("code", 1)
+    assert not gov.keep_speculating("code", 8)
+
+
+def test_disabled_governor_always_speculates():
+    gov = SpeculationGovernor(enabled=False)
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.100)
+    assert gov.allow("code") and gov.keep_speculating("code", 1)
+
+
+def test_running_request_drops_to_plain_decoding_and_output_is_unchanged(tiny):
+    """A draft that never pays: after min_samples rounds the row decodes plainly; tokens == AR."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.generate import generate
+    from engine.requests import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
+    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    prompt = [1, 2, 3, 4]
+    ar = generate(DecodeEngine(target, None, max_batch_size=1, max_seq_len=64), [prompt], params)[0]
+
+    gov = SpeculationGovernor(min_samples=2)
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov)
+    eng.add_draft("d", draft)
+    eng.add_request(Request("r", prompt, params, "d"))
+    first = eng.step()  # no measurements yet: admitted with speculation, one round run
+    tokens, last = [t for o in first for t in o.token_ids], first[-1]
+    assert last.stats is not None and last.stats.rounds == 1
+    feed(gov, "d", ar_cost=1e-6, spec_cost=1.0)  # ... then the measurements price speculation out
+    while not last.finished:
+        for out in eng.step():
+            tokens += out.token_ids
+            last = out
+    assert tokens == ar.token_ids
+    assert last.stats is not None and last.stats.rounds == gov.min_samples  # stopped speculating there
