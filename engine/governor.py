@@ -61,13 +61,26 @@ class SpeculationGovernor:
             with self._lock:
                 self._spec.setdefault((draft, batch_bucket(rows)), _Ema()).update(seconds / tokens, self.alpha)
 
+    def _ar_cost(self, bucket: int) -> float | None:
+        """Plain decoding's seconds per token at this bucket; unmeasured buckets are estimated from the
+        largest measured smaller one, assuming a batched step costs what a smaller one does (decode
+        steps are bound by reading the weights or by launches, not by the rows), until measured."""
+        ar = self._ar.get(bucket)
+        if ar is not None and ar.count >= self.min_samples:
+            return ar.value
+        known = [b for b, e in self._ar.items() if b < bucket and e.count >= self.min_samples]
+        if not known:
+            return None
+        b = max(known)
+        return self._ar[b].value * b / bucket
+
     def _pays(self, draft: str, rows: int) -> bool | None:
         """True/False once both sides have enough samples at this batch size; None before."""
         bucket = batch_bucket(rows)
-        spec, ar = self._spec.get((draft, bucket)), self._ar.get(bucket)
-        if spec is None or ar is None or spec.count < self.min_samples or ar.count < self.min_samples:
+        spec, ar_cost = self._spec.get((draft, bucket)), self._ar_cost(bucket)
+        if spec is None or ar_cost is None or spec.count < self.min_samples:
             return None
-        return spec.value <= self.tolerance * ar.value
+        return spec.value <= self.tolerance * ar_cost
 
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
@@ -79,8 +92,7 @@ class SpeculationGovernor:
             pays = self._pays(draft, rows)
             probe = n % self.probe_every == 0
             if pays is None:
-                ar = self._ar.get(batch_bucket(rows))
-                missing_ar = ar is None or ar.count < self.min_samples
+                missing_ar = self._ar_cost(batch_bucket(rows)) is None
                 return not (missing_ar and probe)  # measure plain decoding now and then
             return pays or probe
 

@@ -181,7 +181,7 @@ class DecodeEngine:
         if ar_rows:
             t0 = time.perf_counter()
             new = self._ar_step(ar_rows)
-            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
+            self.governor.observe_ar(len(running), time.perf_counter() - t0, sum(len(t) for t in new))
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
@@ -191,13 +191,13 @@ class DecodeEngine:
             elapsed = time.perf_counter() - t0
             tokens = sum(len(t) for t in result.tokens)
             for name in {s.request.draft for s in spec_rows}:
-                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
+                self.governor.observe_spec(name or "", len(running), elapsed, tokens)
             for i, s in enumerate(spec_rows):
                 s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
                 s.length += result.num_accepted[i] + 1
                 outputs.append(self._commit(s, result.tokens[i]))
                 if (self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
-                        and not self.governor.keep_speculating(s.request.draft or "", len(spec_rows))):
+                        and not self.governor.keep_speculating(s.request.draft or "", len(running))):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
 

@@ -70,3 +70,12 @@ def test_running_request_drops_to_plain_decoding_and_output_is_unchanged(tiny):
             last = out
     assert tokens == ar.token_ids
     assert last.stats is not None and last.stats.rounds == gov.min_samples  # stopped speculating there
+
+
+def test_unmeasured_batch_bucket_estimated_from_a_smaller_one():
+    gov = SpeculationGovernor()
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.004, rows=1)  # pays at batch 1
+    for _ in range(8):
+        gov.observe_spec("code", 4, 0.012, 3)  # 4 ms a token at batch 4: plain would be ~2.5 ms there
+    assert gov.keep_speculating("code", 1)
+    assert not gov.keep_speculating("code", 4)
