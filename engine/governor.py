@@ -38,7 +38,7 @@ def batch_bucket(rows: int) -> int:
 
 
 class SpeculationGovernor:
-    def __init__(self, enabled: bool = True, alpha: float = 0.2, min_samples: int = 4, probe_every: int = 16,
+    def __init__(self, enabled: bool = True, alpha: float = 0.2, min_samples: int = 4, probe_every: int = 64,
                  tolerance: float = 1.0) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost."""
         self.enabled = enabled
