@@ -181,7 +181,7 @@ class DecodeEngine:
         if ar_rows:
             t0 = time.perf_counter()
             new = self._ar_step(ar_rows)
-            self.governor.observe_ar(len(running), time.perf_counter() - t0, sum(len(t) for t in new))
+            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
@@ -191,7 +191,7 @@ class DecodeEngine:
             elapsed = time.perf_counter() - t0
             tokens = sum(len(t) for t in result.tokens)
             for name in {s.request.draft for s in spec_rows}:
-                self.governor.observe_spec(name or "", len(running), elapsed, tokens)
+                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
             for i, s in enumerate(spec_rows):
                 s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
                 s.length += result.num_accepted[i] + 1
@@ -212,7 +212,7 @@ class DecodeEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(req.params.seed)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not self.governor.allow(req.draft, self.num_running + len(batch) + 1):
+            if draft is not None and not self.governor.allow(req.draft, self.num_running + 1):  # rows once it runs
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
