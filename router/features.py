@@ -24,7 +24,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from router.errors import InvalidRequest
 
 # Bounds that keep classification time independent of the request size.
-MAX_CHARS = 1500  # rendered body: the first 2/3 and the last 1/3 of the text
+MAX_CHARS = 1000  # rendered body: the first 2/3 and the last 1/3 of the text
 MAX_MESSAGE_CHARS = 600  # per chat message, the same way
 MAX_MESSAGES = 12  # first 2 + last 10 messages are kept
 ROLES = ("system", "developer", "user", "assistant", "tool")
