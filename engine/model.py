@@ -193,6 +193,22 @@ class Transformer(nn.Module):
         final = hidden
         if logits_index is not None:
             final = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_index][:, None]  # (B, 1, H)
-        final = self.norm(final)
-        logits = self.lm_head(final) if compute_logits else None
-        return ForwardOutput(hidden, final, logits)
+        if final.dtype == torch.float32:
+            final = self.norm(final)
+            logits = self.lm_head(final) if compute_logits else None
+            return ForwardOutput(hidden, final, logits)
+        # Low-precision models: the final norm and the vocabulary projection run in fp32. Greedy
+        # decisions are argmaxes over the logits; bf16 logits (8-bit mantissa) tie and flip often,
+        # and would make speculative and plain decoding disagree more than their hidden states do.
+        x = final.float()
+        x = self.norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.eps))
+        logits = F.linear(x, self._lm_head_fp32()) if compute_logits else None
+        return ForwardOutput(hidden, x.to(final.dtype), logits)
+
+    def _lm_head_fp32(self) -> torch.Tensor:
+        """An fp32 copy of the (frozen) lm_head weight, made once."""
+        w = self.lm_head.weight
+        cached = getattr(self, "_lm_head_f32", None)
+        if cached is None or cached.device != w.device or cached.shape != w.shape:
+            cached = self._lm_head_f32 = w.detach().float()
+        return cached
