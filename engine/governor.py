@@ -46,6 +46,7 @@ class SpeculationGovernor:
         self.min_samples = min_samples
         self.probe_every = probe_every
         self.tolerance = tolerance
+        self._buckets = [2**i for i in range(16)]
         self._ar: dict[int, _Ema] = {}
         self._spec: dict[tuple[str, int], _Ema] = {}
         self._admissions: dict[str, int] = {}
@@ -61,26 +62,27 @@ class SpeculationGovernor:
             with self._lock:
                 self._spec.setdefault((draft, batch_bucket(rows)), _Ema()).update(seconds / tokens, self.alpha)
 
-    def _ar_cost(self, bucket: int) -> float | None:
-        """Plain decoding's seconds per token at this bucket; unmeasured buckets are estimated from the
-        largest measured smaller one, assuming a batched step costs what a smaller one does (decode
-        steps are bound by reading the weights or by launches, not by the rows), until measured."""
-        ar = self._ar.get(bucket)
-        if ar is not None and ar.count >= self.min_samples:
-            return ar.value
-        known = [b for b, e in self._ar.items() if b < bucket and e.count >= self.min_samples]
+    def _cost(self, table: dict, key, bucket: int) -> float | None:
+        """Seconds per token at this bucket; an unmeasured bucket is estimated from the largest measured
+        smaller one, assuming a batched step costs what a smaller one does (decode steps are bound by
+        reading the weights or by launches, not by the rows) until it is measured itself."""
+        own = table.get(key(bucket))
+        if own is not None and own.count >= self.min_samples:
+            return own.value
+        known = [b for b in self._buckets if b < bucket and (e := table.get(key(b))) is not None and e.count >= self.min_samples]
         if not known:
             return None
         b = max(known)
-        return self._ar[b].value * b / bucket
+        return table[key(b)].value * b / bucket
 
     def _pays(self, draft: str, rows: int) -> bool | None:
-        """True/False once both sides have enough samples at this batch size; None before."""
+        """True/False once both sides have a cost at this batch size (measured or estimated); None before."""
         bucket = batch_bucket(rows)
-        spec, ar_cost = self._spec.get((draft, bucket)), self._ar_cost(bucket)
-        if spec is None or ar_cost is None or spec.count < self.min_samples:
+        spec_cost = self._cost(self._spec, lambda b: (draft, b), bucket)
+        ar_cost = self._cost(self._ar, lambda b: b, bucket)
+        if spec_cost is None or ar_cost is None:
             return None
-        return spec.value <= self.tolerance * ar_cost
+        return spec_cost <= self.tolerance * ar_cost
 
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
@@ -92,7 +94,7 @@ class SpeculationGovernor:
             pays = self._pays(draft, rows)
             probe = n % self.probe_every == 0
             if pays is None:
-                missing_ar = self._ar_cost(batch_bucket(rows)) is None
+                missing_ar = self._cost(self._ar, lambda b: b, batch_bucket(rows)) is None
                 return not (missing_ar and probe)  # measure plain decoding now and then
             return pays or probe
 

@@ -79,3 +79,13 @@ def test_unmeasured_batch_bucket_estimated_from_a_smaller_one():
         gov.observe_spec("code", 4, 0.012, 3)  # 4 ms a token at batch 4: plain would be ~2.5 ms there
     assert gov.keep_speculating("code", 1)
     assert not gov.keep_speculating("code", 4)
+
+
+def test_a_draft_that_does_not_pay_at_batch_1_is_off_at_larger_unmeasured_batches():
+    gov = SpeculationGovernor()
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.020, rows=1)
+    assert not gov.keep_speculating("code", 4)  # estimated from batch 1 until measured at 4
+    for _ in range(8):
+        gov.observe_ar(4, 0.010, 4)  # measured at batch 4: 2.5 ms a token
+        gov.observe_spec("code", 4, 0.006, 3)  # 2 ms a token: pays there
+    assert gov.keep_speculating("code", 4)
