@@ -245,7 +245,7 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None) -> list[st
             passes += reach
             for j in range(start, min(start + block, gamma)):
                 reach *= acc[min(j, len(acc) - 1)]
-        verify = results[f"deep layers {N}-{L - 1} + head, {min(block + 1, 6) if block + 1 in (3, 6) else 3} tokens"]
+        verify = results[f"deep layers {N}-{L - 1} + head, {block + 1} tokens"]  # block 2: 3 tokens, block 5: 6
         cost = (gamma + 1) * draft_tok + passes * verify
         expected_blocks[block] = (tau, cost, tau * full / cost)
     lines += ["", f"Projection (not a measurement): N={N}, A={A}, gamma {gamma}, acceptance by position {acc}",

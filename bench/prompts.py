@@ -36,9 +36,8 @@ def held_out_prompts(tokenizer, domain: str, n: int, split: str = "test") -> tup
         from training.corpora import load_domain
 
         ds = load_domain(domain, split)
-        rows = [r for r in ds.select(range(min(len(ds), 4 * n)))["prompt"]]
-        rows = sorted(rows, key=len)[: max(n, 1) * 2][:n] if len(rows) > n else rows
-        ids = [tokenizer(p, add_special_tokens=False).input_ids for p in rows[:n]]
+        rows = sorted(ds.select(range(min(len(ds), 4 * n)))["prompt"], key=len)[:n]  # the shortest of 4n
+        ids = [tokenizer(p, add_special_tokens=False).input_ids for p in rows]
         return ids, f"{domain} {split} split of the built corpora ({len(ids)} prompts)"
     except Exception as exc:  # noqa: BLE001 - data not built / datasets missing: fall back, say so
         log.info("using built-in prompts (%s)", exc)

@@ -8,9 +8,19 @@ the length are never visible and get overwritten by the next tokens written ther
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
 
-Rows = "torch.Tensor | slice | None"
+# Cache rows of a batch: None (rows 0..B-1), a slice of consecutive rows (views, no copy) or a (B,) index tensor.
+Rows = Union[torch.Tensor, slice, None]
+
+
+def row_index(slots: list[int], device: torch.device) -> Rows:
+    """Cache rows for these slots: a slice when they are consecutive (views, no gather), else an index tensor."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return slice(slots[0], slots[0] + len(slots))
+    return torch.tensor(slots, device=device)
 
 
 class KVCache:

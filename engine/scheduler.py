@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from engine.cache import KVCache, WindowedKVCache
+from engine.cache import KVCache, WindowedKVCache, row_index
 from engine.cuda_graphs import GraphCache
 from engine.governor import SpeculationGovernor
 from engine.model import Transformer
@@ -23,15 +23,6 @@ from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import processed_probs, sample
 from engine.speculative import Draft, SpecConfig, spec_round
 from engine.text import TextStream
-
-
-def row_index(slots: list[int], device: torch.device):
-    """Cache rows for these slots: a slice when they are consecutive (views, no gather), else an index tensor."""
-    if slots == list(range(slots[0], slots[0] + len(slots))):
-        return slice(slots[0], slots[0] + len(slots))
-    return torch.tensor(slots, device=device)
-
-log = logging.getLogger(__name__)
 
 
 class DecodeEngine:
@@ -432,17 +423,22 @@ class DecodeEngine:
                 reason = "stop"
                 break
             kept.append(tok)
-            if s.text_stream is not None:
-                text += s.text_stream.push([tok])
-                if s.text_stream.stopped:
-                    reason = "stop"
-                    break
             if len(s.output_ids) + len(kept) >= params.max_new_tokens:
                 reason = "length"
                 break
             if prompt_len + len(s.output_ids) + len(kept) >= self.max_seq_len:
                 reason = "length"
                 break
+        if s.text_stream is not None:
+            if params.stop:
+                # A stop string may end inside these tokens: find the token after which it appears.
+                for i, tok in enumerate(kept):
+                    text += s.text_stream.push([tok])
+                    if s.text_stream.stopped:
+                        kept, reason = kept[: i + 1], "stop"
+                        break
+            else:
+                text = s.text_stream.push(kept)
         if s.first_token_at is None:
             s.first_token_at = time.perf_counter()
         s.output_ids.extend(kept)

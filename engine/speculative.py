@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from engine.cache import row_index
 from engine.model import StepContext
 from engine.sampling import processed_probs, sample
 from engine.verify import verify_greedy, verify_sampled
@@ -85,8 +86,6 @@ class _Groups:
     """
 
     def __init__(self, drafts: list[Draft], slots: list[int], device: torch.device) -> None:
-        from engine.scheduler import row_index
-
         self.items: list[tuple[Draft, torch.Tensor, object]] = []
         order: dict[int, list[int]] = {}
         by_id: dict[int, Draft] = {}
@@ -102,8 +101,6 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     model = eng.model
     device = eng.device
     b = len(slots)
-    from engine.scheduler import row_index
-
     rows_t = torch.tensor([s.slot for s in slots], device=device)  # (b,) cache row of each batch row
     rows = row_index([s.slot for s in slots], device)  # the same rows as a slice when consecutive
     n_trunk = drafts[0].shared_layers
@@ -118,7 +115,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     top_k = torch.tensor([s.request.params.top_k for s in slots], device=device)
     top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
     gamma = cfg.num_speculative_tokens
-    kv_len = int(pos0.max()) + gamma + 2
+    kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
 
@@ -207,7 +204,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         drafted += live.long() * block_len
         rejected = live & (res.num_accepted < block_len)
         last_block = block_no == len(blocks) - 1
-        finishing = rejected | (live & torch.tensor(last_block, device=device))
+        finishing = live if last_block else rejected
         num_accepted += torch.where(live, res.num_accepted, torch.zeros_like(res.num_accepted))
         final_token = torch.where(finishing, res.next_token, final_token)
         done |= finishing

@@ -26,7 +26,7 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def resolve_draft_arg(draft: str, loaded, prompt_text: str | list, device: str):
+def resolve_draft_arg(draft: str, loaded, prompt_text: str | list):
     """--draft none|auto|DOMAIN|PATH -> (DraftModel | None, description)."""
     if draft == "none":
         return None, "none"
@@ -102,7 +102,7 @@ def generate(
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     else:
         ids = tok(prompt).input_ids
-    draft_model, draft_desc = resolve_draft_arg(draft, loaded, messages if chat else prompt, device)
+    draft_model, draft_desc = resolve_draft_arg(draft, loaded, messages if chat else prompt)
     max_seq_len = min(loaded.args.max_position_embeddings, max(len(ids) + max_new_tokens + 1, 256))
     engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_seq_len, spec=spec)
     name = None
