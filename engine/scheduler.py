@@ -169,20 +169,23 @@ class DecodeEngine:
                    {o.request_id for o in admitted if o.finished}]
         ar_rows = [s for s in running if s.draft is None]
         spec_rows = [s for s in running if s.draft is not None]
+        # A step that captured a CUDA graph took the capture's time too: it is not a cost sample.
         if ar_rows:
-            t0 = time.perf_counter()
+            t0, graphs = time.perf_counter(), len(self.graphs)
             new = self._ar_step(ar_rows)
-            self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
+            if len(self.graphs) == graphs:
+                self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
         if spec_rows:
-            t0 = time.perf_counter()
+            t0, graphs = time.perf_counter(), len(self.graphs)
             result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
             elapsed = time.perf_counter() - t0
             tokens = sum(len(t) for t in result.tokens)
-            for name in {s.request.draft for s in spec_rows}:
-                self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
+            if len(self.graphs) == graphs:
+                for name in {s.request.draft for s in spec_rows}:
+                    self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
             for i, s in enumerate(spec_rows):
                 s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
                 s.length += result.num_accepted[i] + 1

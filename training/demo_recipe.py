@@ -1,12 +1,14 @@
 """The recipe that trains the shipped demo drafts (and the benchmark's seed-default-shape drafts).
 
     python -m training.demo_recipe export --out DIR      # here: corpora -> plain JSON (gzip)
-    python -m training.demo_recipe train --data DIR --out DIR --device cuda
+    python -m training.demo_recipe train --data DIR --out DIR --device cuda [--parallel]
 
 `export` writes the rows training needs as plain JSON, so the GPU machine needs no `datasets`.
 `train` runs the same pipeline pieces as `flashspec train-draft` per domain: self-distillation
 (the target's own greedy replies to the domain's training prompts), teacher-forced distillation,
 evaluation with the real decoder on validation prompts, then a fp16 checkpoint with its manifest.
+`--parallel` trains every domain in its own process at once, spread round-robin over the visible
+GPUs (a 135M target leaves one H200 mostly idle, so two runs share a GPU well).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +26,10 @@ import torch
 
 DOMAINS = ("code", "general", "dialog")
 
-# The demo drafts' shape: a cheap trunk (2 shared layers), one adapter, deep features, an 8k
-# sub-vocabulary head tied to the target's lm_head: 4.5 M own parameters, 9 MB in fp16.
-DEMO = dict(shared_layers=2, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
+# The demo drafts' shape: a cheap trunk (3 shared layers), one adapter, deep features, an 8k
+# sub-vocabulary head tied to the target's lm_head: 4.5 M own parameters, 9 MB in fp16 (three
+# drafts must stay under 40 MB, so a second adapter layer, 7 MB more each, does not fit).
+DEMO = dict(shared_layers=3, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
 # The shape the write-up describes: N = round(L/4), A = 2, full vocabulary, no deep features.
 SEED_DEFAULT = dict(shared_layers=None, adapter_layers=2, head="mlp_tied", feature_input="none", head_vocab=None)
 
@@ -65,9 +71,16 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     replies = self_distill(model, tok, domain_name, rows, args.self_distill,
                            max_new_tokens=args.reply_tokens, batch_size=args.gen_batch, progress=False)
     t_gen = time.perf_counter() - t0
+    max_seconds = args.max_seconds
+    if args.total_seconds:  # what is left of the whole run's budget, less a reserve for evaluation and saving
+        left = args.total_seconds - (time.perf_counter() - args.started) - args.eval_reserve
+        if left <= 0:
+            raise SystemExit(f"{domain_name}: no time left to train (--total-seconds {args.total_seconds:g})")
+        max_seconds = min(max_seconds or left, left)
     cfg = TrainConfig(domain=domain_name, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr_adapters=args.lr_adapters, lr_head=args.lr_head, warmup_steps=args.steps // 20,
                       eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
+                      max_seconds=max_seconds,
                       out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False, **shape)
     data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
@@ -117,12 +130,39 @@ def matrix(args, loaded) -> None:
     print(format_table(table, list(DOMAINS)))
 
 
+def train_parallel(argv: list[str], domains: list[str], out: Path) -> None:
+    """One `train` process per domain, round-robin over the visible GPUs; waits for all, then prints their results."""
+    from engine.loading import resolve_model_dir
+
+    resolve_model_dir("default")  # convert the default model once, before the runs race to do it
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = gpus.split(",") if gpus else [str(i) for i in range(max(1, torch.cuda.device_count()))]
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    rest = [a for a in argv if a != "--parallel"]
+    procs = []
+    for i, domain in enumerate(domains):
+        cmd = [sys.executable, "-m", "training.demo_recipe", *rest, "--domains", domain]  # the last --domains wins
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]}
+        log = open(out / "logs" / f"{domain}.log", "w")
+        procs.append((domain, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        print(f"{domain}: GPU {env['CUDA_VISIBLE_DEVICES']}, log {log.name}", flush=True)
+    failed = []
+    for domain, proc, log in procs:
+        if proc.wait() != 0:
+            failed.append(domain)
+        log.close()
+        lines = [line for line in (out / "logs" / f"{domain}.log").read_text().splitlines() if line.startswith("{")]
+        print(lines[-1] if lines else f"{domain}: no result (exit {proc.returncode})", flush=True)
+    if failed:
+        raise SystemExit(f"training failed for {', '.join(failed)}; see {out / 'logs'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export")
     e.add_argument("--out", type=Path, required=True)
-    e.add_argument("--train-rows", type=int, default=2000)
+    e.add_argument("--train-rows", type=int, default=8000)
     e.add_argument("--val-rows", type=int, default=64)
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, required=True)
@@ -132,14 +172,19 @@ def main() -> None:
     t.add_argument("--tag", default="demo")
     t.add_argument("--version", default="demo-v1")
     t.add_argument("--device", default="cuda")
-    t.add_argument("--steps", type=int, default=1200)
+    t.add_argument("--steps", type=int, default=4000, help="optimizer steps (at most; see --max-seconds)")
+    t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
+    t.add_argument("--total-seconds", type=float, default=None,
+                   help="budget of a whole domain run from process start (self-distill + train + eval); training gets the rest")
+    t.add_argument("--eval-reserve", type=float, default=60.0, help="seconds kept for evaluation and saving under --total-seconds")
+    t.add_argument("--parallel", action="store_true", help="one process per domain, spread over the visible GPUs")
     t.add_argument("--batch-size", type=int, default=32)
     t.add_argument("--seq-len", type=int, default=384)
     t.add_argument("--lr-adapters", type=float, default=3e-4)
     t.add_argument("--lr-head", type=float, default=6e-4)
-    t.add_argument("--self-distill", type=int, default=1500, help="prompts answered by the target (0: raw text only)")
+    t.add_argument("--self-distill", type=int, default=3000, help="prompts answered by the target (0: raw text only)")
     t.add_argument("--reply-tokens", type=int, default=160)
-    t.add_argument("--gen-batch", type=int, default=64)
+    t.add_argument("--gen-batch", type=int, default=128)
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)
     t.add_argument("--eval-prompt-tokens", type=int, default=512)
@@ -150,8 +195,12 @@ def main() -> None:
     m.add_argument("--prompts", type=int, default=16)
     m.add_argument("--tokens", type=int, default=96)
     args = parser.parse_args()
+    args.started = time.perf_counter()
     if args.cmd == "export":
         export(args.out, args.train_rows, args.val_rows)
+        return
+    if args.cmd == "train" and args.parallel:
+        train_parallel(sys.argv[1:], args.domains.split(","), args.out)
         return
     from engine.loading import load_model
 

@@ -52,6 +52,8 @@ class TrainConfig(BaseModel):
     init_from_target: bool = Field(True, description="Adapters start as copies of target layers [N, N+A).")
     # Optimisation.
     steps: int = Field(300, ge=1, description="Optimizer steps.")
+    max_seconds: Optional[float] = Field(None, gt=0, description="Wall-clock budget of the loop: the schedule "
+                                         "runs on whichever of steps or time is further along, and stops at either.")
     batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seq_len: int = Field(256, ge=8, description="Tokens per training sequence (longer ones are cut).")
@@ -302,11 +304,16 @@ def _param_groups(draft: DraftModel, cfg: TrainConfig) -> list[dict]:
             for (part, decay), ps in groups.items() if ps]
 
 
-def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+def _lr_lambda(cfg: TrainConfig, clock: Callable[[], float] | None = None) -> Callable[[int], float]:
+    """Linear warmup, then cosine to min_lr_ratio. With a time budget, `clock()` (the fraction of
+    max_seconds spent) moves the cosine too: the schedule follows whichever is further along."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        if clock is not None:
+            progress = max(progress, clock())
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
@@ -371,7 +378,13 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         vocab_ids = state["draft"].get("vocab_ids")
     draft = build_draft(target, cfg, vocab_ids)
     optimizer = torch.optim.AdamW(_param_groups(draft, cfg), betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    spent = {"before": 0.0, "since": time.perf_counter()}  # loop seconds of earlier runs (resume), this run's start
+
+    def elapsed() -> float:
+        return spent["before"] + time.perf_counter() - spent["since"]
+
+    clock = (lambda: elapsed() / cfg.max_seconds) if cfg.max_seconds else None
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, clock))
     step, history = 0, []
     if state is not None:
         draft.load_state_dict(state["draft"])
@@ -379,6 +392,7 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
         step, history = state["step"], state["history"]
+        spent["before"] = state.get("elapsed", 0.0)
     order = _Order(len(train_data), cfg.batch_size, cfg.seed)
     log_file = out_dir / "train_log.jsonl"
 
@@ -386,11 +400,12 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         tmp = ckpt_path.with_name(f".state.pt.tmp-{os.getpid()}")
         torch.save({"step": step, "draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "rng": _rng_state(), "config": cfg.model_dump(),
-                    "fingerprint": fingerprint, "history": history}, tmp)
+                    "fingerprint": fingerprint, "history": history, "elapsed": elapsed()}, tmp)
         os.replace(tmp, ckpt_path)
 
     # Loop: accumulate micro-batches, clip, step, log; evaluate and checkpoint periodically.
     started = time.perf_counter()
+    spent["since"] = started
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {cfg.domain}", disable=not progress, dynamic_ncols=True)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
@@ -407,19 +422,24 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         optimizer.step()
         scheduler.step()
         step += 1
+        out_of_time = clock is not None and clock() >= 1.0
         log = {"step": step, "loss": round(parts_sum["loss"], 5), "kl_by_step": np.round(parts_sum["kl"], 4).tolist(),
                "top1_by_step": np.round(parts_sum["top1"], 4).tolist(), "grad_norm": round(float(grad_norm), 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
-        if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if out_of_time:
+            log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
+        if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):
             log["eval"] = held_out(target, draft, val_data, cfg, device)
         history.append(log)
         with open(log_file, "a") as f:
             f.write(json.dumps(log) + "\n")
         bar.update(1)
         bar.set_postfix(loss=f"{log['loss']:.3f}", top1=f"{log['top1_by_step'][0]:.2f}")
-        if step % cfg.save_every == 0 or step == cfg.steps:
+        if step % cfg.save_every == 0 or step == cfg.steps or out_of_time:
             save()
         if callback is not None:
             callback(step, log)
+        if out_of_time:
+            break
     bar.close()
     return TrainResult(draft, step, history, out_dir, time.perf_counter() - started)

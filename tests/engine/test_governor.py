@@ -89,3 +89,31 @@ def test_a_draft_that_does_not_pay_at_batch_1_is_off_at_larger_unmeasured_batche
         gov.observe_ar(4, 0.010, 4)  # measured at batch 4: 2.5 ms a token
         gov.observe_spec("code", 4, 0.006, 3)  # 2 ms a token: pays there
     assert gov.keep_speculating("code", 4)
+
+
+def test_steps_that_capture_a_graph_are_not_cost_samples(tiny):
+    """A step that captured a CUDA graph also paid for the capture: it must not price plain decoding."""
+    from engine.cuda_graphs import GraphCache
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    class CountingGraphs(GraphCache):
+        """Runs eagerly (CPU) but counts a new "graph" for every new key, like a capture would."""
+
+        def run(self, key, fn, inputs):
+            self.graphs.setdefault(key + tuple(tuple(v.shape) for v in inputs.values()), None)
+            return fn(**inputs)
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    gov = SpeculationGovernor(min_samples=1)
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov, ar_steps_per_sync=1)
+    eng.graphs = CountingGraphs(enabled=True)
+    samples = []
+    gov.observe_ar = lambda rows, seconds, tokens: samples.append(tokens)
+    generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
+    # Prefill + 5 steps at one KV bucket: the first decode step captures, the other 4 are samples.
+    assert samples == [1, 1, 1, 1]
+    eng.graphs, samples[:] = GraphCache(enabled=False), []  # nothing captured: every plain step is a sample
+    generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
+    assert len(samples) == 5

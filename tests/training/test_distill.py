@@ -72,6 +72,25 @@ def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, fe
     assert (tmp_path / "ckpt" / "state.pt").is_file() and (tmp_path / "train_log.jsonl").is_file()
 
 
+def test_a_time_budget_stops_the_loop_and_runs_the_schedule_to_its_end(tmp_path, setup, monkeypatch):
+    target, _, data = setup
+    import training.distill as distill
+
+    now = [0.0]
+    monkeypatch.setattr(distill.time, "perf_counter", lambda: now[0])
+
+    def tick(step, log):
+        now[0] += 10.0  # every step "takes" 10 s
+
+    cfg = config(tmp_path, steps=1000, max_seconds=50, warmup_steps=0, min_lr_ratio=0.1, eval_every=1000)
+    result = train(cfg, target, data, data, callback=tick, progress=False)
+    assert result.step == 6  # stops at the first step past the 50 s budget, not at 1000 steps
+    last = result.history[-1]
+    assert "time budget" in last["stopped"] and "eval" in last  # a final evaluation and checkpoint at the stop
+    assert last["lr_adapters"] == pytest.approx(0.1 * cfg.lr_adapters)  # the cosine reached its floor with the clock
+    assert torch.load(tmp_path / "ckpt" / "state.pt", weights_only=False)["step"] == 6
+
+
 def test_an_interrupted_run_resumes_to_the_same_state(tmp_path, setup):
     target, _, data = setup
     straight = train(config(tmp_path / "a", steps=6, save_every=3), target, data, progress=False)
