@@ -163,8 +163,35 @@ def render_report(title: str, setup: list[str], rows: list[Row], failures: list[
 
 
 # ----- load (closed loop of streaming clients, possibly over several processes) -----------------------
+async def one_request_whole(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, speculation: bool,
+                            cell: Cell, per_replica: Counter) -> None:
+    """One non-streaming request: latency goes in cell.ttft (the whole answer is the first byte), no TPOT."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": False, "speculation": speculation}
+    start = time.perf_counter()
+    try:
+        response = await client.post(url, json=body)
+        if response.status_code != 200:
+            cell.errors += 1
+            return
+        data = response.json()
+    except (httpx.HTTPError, ValueError):
+        cell.errors += 1
+        return
+    cell.ttft.append(time.perf_counter() - start)
+    cell.requests += 1
+    cell.tokens += data["usage"]["completion_tokens"]
+    flashspec = data.get("flashspec") or {}
+    if flashspec.get("replica"):
+        per_replica[flashspec["replica"]] += 1
+    stats = flashspec.get("stats")
+    if stats:
+        cell.drafted += stats["drafted"]
+        cell.accepted += stats["accepted"]
+
+
 async def _load(url: str, clients: int, first_client: int, duration: float, max_tokens: int, speculation: bool,
-                start_at: float) -> dict:
+                start_at: float, stream: bool = True) -> dict:
     """C clients from `start_at` (wall clock) for `duration` s; bench.serve.one_request does each request."""
     cell = Cell(clients, speculation)
     per_replica: Counter = Counter()
@@ -172,6 +199,8 @@ async def _load(url: str, clients: int, first_client: int, duration: float, max_
 
     async def on_response(response: httpx.Response) -> None:
         if response.status_code == 200:
+            if not stream:  # counted from the body by one_request_whole
+                return
             replica = response.headers.get(REPLICA_HEADER)
             if replica:
                 per_replica[replica] += 1
@@ -191,7 +220,11 @@ async def _load(url: str, clients: int, first_client: int, duration: float, max_
         async with httpx.AsyncClient(timeout=600, limits=limits, event_hooks={"response": [on_response]}) as client:
             i = index
             while time.time() < deadline:
-                await one_request(client, url, PROMPTS[i % len(PROMPTS)][1], max_tokens, speculation, cell)
+                if stream:
+                    await one_request(client, url, PROMPTS[i % len(PROMPTS)][1], max_tokens, speculation, cell)
+                else:
+                    await one_request_whole(client, url, PROMPTS[i % len(PROMPTS)][1], max_tokens, speculation, cell,
+                                            per_replica)
                 i += 1
 
     await asyncio.gather(*(client_loop(first_client + k) for k in range(clients)))
@@ -223,16 +256,16 @@ def _merge(parts: list[dict], clients: int, speculation: bool) -> tuple[Cell, Co
 
 
 def run_load(url: str, clients: int, duration: float, max_tokens: int, speculation: bool,
-             pool: ProcessPoolExecutor | None, procs: int) -> tuple[Cell, Counter, Counter]:
+             pool: ProcessPoolExecutor | None, procs: int, stream: bool = True) -> tuple[Cell, Counter, Counter]:
     """One closed-loop cell, the clients spread over `procs` processes (one event loop each)."""
     procs = max(1, min(procs, clients))
     shares = [clients // procs + (1 if k < clients % procs else 0) for k in range(procs)]
     firsts = [sum(shares[:k]) for k in range(procs)]
     if pool is None or procs == 1:
-        parts = [asyncio.run(_load(url, clients, 0, duration, max_tokens, speculation, time.time()))]
+        parts = [asyncio.run(_load(url, clients, 0, duration, max_tokens, speculation, time.time(), stream))]
     else:
         start_at = time.time() + 2.0  # every process starts its clients at the same moment
-        futures = [pool.submit(_load_worker, url, n, first, duration, max_tokens, speculation, start_at)
+        futures = [pool.submit(_load_worker, url, n, first, duration, max_tokens, speculation, start_at, stream)
                    for n, first in zip(shares, firsts)]
         parts = [f.result() for f in futures]
     return _merge(parts, clients, speculation)
@@ -267,7 +300,7 @@ def _wait_ready(app_name: str, base: str, replicas: int, timeout: float) -> dict
 
 
 def _warm(url: str, replicas: int, clients: int, max_tokens: int, speculation: bool, seconds: float,
-          timeout: float, pool, procs: int) -> tuple[int, int, Counter]:
+          timeout: float, pool, procs: int, stream: bool = True) -> tuple[int, int, Counter]:
     """Run the measured load for `seconds`, then more short rounds until every replica has answered.
 
     -> (replicas seen, warm-up errors, error kinds).
@@ -278,7 +311,7 @@ def _warm(url: str, replicas: int, clients: int, max_tokens: int, speculation: b
     rounds = 0
     while True:
         cell, per_replica, kinds = run_load(url, clients, seconds if rounds == 0 else 2.0, max_tokens, speculation,
-                                            pool, procs)
+                                            pool, procs, stream)
         rounds += 1
         seen.update(per_replica)
         errors += cell.errors
@@ -361,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "(default 20 cuda, 3 cpu); more until every replica answered")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the app and all replicas")
     parser.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    parser.add_argument("--no-stream", dest="stream", action="store_false",
+                        help="non-streaming requests (one JSON answer each; TTFT column = whole-request latency)")
     parser.add_argument("--access-log", action="store_true",
                         help="keep Ray Serve's per-request access log (off by default: at saturation it costs CPU in every replica)")
     parser.add_argument("--port", type=int, default=8030)
@@ -435,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"R={replicas}: ready after {time.monotonic() - started:.0f} s", flush=True)
                 for speculation in modes:
                     seen, warm_errors, warm_kinds = _warm(url, replicas, args.clients, args.max_tokens, speculation,
-                                                          warmup, args.ready_timeout, pool, procs)
+                                                          warmup, args.ready_timeout, pool, procs, args.stream)
                     note = (f"R={replicas} speculation {_on_off(speculation)}: warm-up reached {seen}/{replicas} "
                             f"replicas, {warm_errors} errors" + (f" ({dict(warm_kinds)})" if warm_kinds else ""))
                     print(note, flush=True)
@@ -444,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
                     if seen < replicas:
                         raise RuntimeError(f"only {seen} of {replicas} Generator replicas answered during warm-up")
                     cell, per_replica, kinds = run_load(url, args.clients, args.duration, args.max_tokens, speculation,
-                                                        pool, procs)
+                                                        pool, procs, args.stream)
                     row = Row.from_cell(cell, replicas, per_replica, kinds)
                     rows.append(row)
                     print(f"R={replicas} speculation={_on_off(speculation)}: {row.requests} requests, "
@@ -484,14 +519,15 @@ def main(argv: list[str] | None = None) -> int:
         f"drafts: {drafts_note}; served: {served}" + (f"; refused: {refused}" if refused else ""),
         f"speculation: {modes_text}",
         f"load: closed loop, {args.clients} clients in {max(1, min(procs, args.clients))} client process(es) on the same "
-        f"machine, streaming chat requests ({len(PROMPTS)} prompts, code/general/dialog), greedy, max_tokens "
+        f"machine, {'streaming' if args.stream else 'non-streaming (TTFT = whole-request latency)'} chat requests ({len(PROMPTS)} prompts, code/general/dialog), greedy, max_tokens "
         f"{args.max_tokens}, {args.duration:g} s per cell after {warmup:g} s warm-up at the same load",
-        "requests per replica: the X-FlashSpec-Replica header of each admitted request",
+        "requests per replica: " + ("the X-FlashSpec-Replica header of each admitted request" if args.stream
+                                    else "the flashspec.replica field of each answer"),
     ] + [f"warm-up: {n}" for n in warm_notes]
     reproduce = (f"python -m bench.scale --replicas {','.join(map(str, args.replicas))} --clients {args.clients} "
                  f"--duration {args.duration:g} --max-tokens {args.max_tokens} --device {args.device} "
                  f"--speculation {args.speculation} --max-batch-size {args.max_batch_size} "
-                 f"--ingress-replicas {args.ingress_replicas}")
+                 f"--ingress-replicas {args.ingress_replicas}" + ("" if args.stream else " --no-stream"))
     text = render_report(f"Scale-out benchmark ({args.device}): Generator replicas {', '.join(map(str, args.replicas))}",
                          setup, rows, failures, reproduce)
     print(text)

@@ -219,16 +219,24 @@ class GeneratorCore:
         done = False
         try:
             while not done:
-                item = await outputs.get()
-                if isinstance(item, StreamError):
+                # Steps that arrived while the consumer was busy go out as one delta: under load the
+                # stream sends fewer, larger chunks instead of falling behind the engine.
+                items = [await outputs.get()]
+                while not isinstance(items[-1], StreamError) and not items[-1].finished and not outputs.empty():
+                    items.append(outputs.get_nowait())
+                error = items.pop() if isinstance(items[-1], StreamError) else None
+                if items:
+                    last = items[-1]
+                    done = last.finished
+                    yield {"type": "delta", "text": "".join(i.text for i in items),
+                           "tokens": sum(len(i.token_ids) for i in items), "finished": last.finished,
+                           "finish_reason": last.finish_reason, "prompt_tokens": last.prompt_tokens,
+                           "completion_tokens": last.completion_tokens,
+                           "stats": last.stats.to_dict() if last.stats is not None and last.finished else None}
+                if error is not None:
                     done = True
-                    yield error_item(item.status, item.message, "generation_failed" if item.status >= 500 else None)
+                    yield error_item(error.status, error.message, "generation_failed" if error.status >= 500 else None)
                     return
-                done = item.finished
-                yield {"type": "delta", "text": item.text, "tokens": len(item.token_ids), "finished": item.finished,
-                       "finish_reason": item.finish_reason, "prompt_tokens": item.prompt_tokens,
-                       "completion_tokens": item.completion_tokens,
-                       "stats": item.stats.to_dict() if item.stats is not None and item.finished else None}
         finally:
             if not done:  # the caller went away: free the slot
                 self.loop.cancel(request.request_id)
