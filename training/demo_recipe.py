@@ -170,7 +170,7 @@ def main() -> None:
     t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
     t.add_argument("--shape", choices=("demo", "seed-default"), default="demo")
     t.add_argument("--tag", default="demo")
-    t.add_argument("--version", default="demo-v1")
+    t.add_argument("--version", default="demo-v2")
     t.add_argument("--device", default="cuda")
     t.add_argument("--steps", type=int, default=4000, help="optimizer steps (at most; see --max-seconds)")
     t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
