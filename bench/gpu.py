@@ -1,6 +1,6 @@
 """The GPU benchmark: every decoding path on the embedded default, side by side in one run.
 
-    python -m bench.gpu --drafts DIR [--seed-draft DIR] [--quick]
+    python -m bench.gpu --drafts DIR [--seed-draft DIR] [--quick] [--fused [compiled|hand]]
 
 Rows: transformers generate (eager, static cache, prompt lookup), engine AR (CUDA graphs), FlashSpec
 with the seed-default draft shape (block 2 and block gamma), FlashSpec with the best configuration
@@ -8,6 +8,12 @@ with the seed-default draft shape (block 2 and block gamma), FlashSpec with the 
 T=1. Held-out prompts: bench/data/gpu_prompts.json (test splits of the three domains; each row
 drafts with its own domain's draft). Then a cost-model table on a 7B-shaped random-weight Llama,
 labelled as a projection. Tokens/s count new tokens over wall time, prefill included.
+
+--fused: after all the rows above (fusing is in place), the target is fused for inference
+(`Transformer.fuse_for_inference`: q/k/v and gate/up GEMMs, plus compiled RMSNorm/RoPE/SiLU unless
+`--fused hand`), the drafts' adapter layers too, and the engine AR and best-draft FlashSpec rows run
+again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
+step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 """
 
 from __future__ import annotations
@@ -31,6 +37,41 @@ def cuda_ms(fn, iters: int = 50) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / iters * 1000
+
+
+def step_profile(model, kv_len: int = 512) -> dict:
+    """One decode step of the whole model (batch 1, one token at position kv_len - 1, logits included):
+    ms per CUDA-graph replay, and the CUDA kernels (and copies) one eager step runs."""
+    cache = model.new_cache(1, kv_len)
+    tokens = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.full((1, 1), kv_len - 1, dtype=torch.long, device="cuda")
+
+    def fn():
+        return model(tokens, pos, cache=cache, kv_len=kv_len).logits
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # warm-up: compiles the fused kernels for this shape, if any
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    out = {"ms": cuda_ms(g.replay, 200), "kernels": None}
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        out["kernels"] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    except Exception as exc:  # noqa: BLE001 - the count is informative only
+        print(f"kernel count unavailable: {exc}", flush=True)
+    del g, cache
+    return out
 
 
 def pick_prompts(data: dict, kind: str, bs: int) -> tuple[list[list[int]], list[str]]:
@@ -123,7 +164,7 @@ class Bench:
             return outs
 
         if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
-            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=16, eos_token_ids=()), None)
+            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=40, eos_token_ids=()), None)
         once()  # warm-up: captures the CUDA graphs of every shape this workload meets
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -188,8 +229,10 @@ def seed_default_drafts(folder: str | None, target) -> dict:
     return {d: draft for d in DOMAINS}
 
 
-def cost_model(gamma: int = 5, acceptance: list[float] | None = None) -> list[str]:
-    """Measured step costs of a 7B-shaped random-weight Llama; projected FlashSpec speedup (a projection)."""
+def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str | None = None) -> list[str]:
+    """Measured step costs of a 7B-shaped random-weight Llama; projected FlashSpec speedup (a projection).
+
+    fused ("compiled" / "hand"): also the full step with the model fused for inference (measured last)."""
     from engine.config import ModelArgs
     from engine.model import Transformer
 
@@ -227,6 +270,9 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None) -> list[st
     results["one layer (adapter), 1 token"] = graph_ms(range(N, N + 1), 1, True)
     for k in (1, 3, 6):
         results[f"deep layers {N}-{L - 1} + head, {k} tokens"] = graph_ms(range(N, L), k, True)
+    if fused:
+        model.fuse_for_inference(compile=fused == "compiled")
+        results[f"full step, 1 token, fused ({model.fused})"] = graph_ms(range(0, L), 1, False)
     lines = ["| 7B-shaped step (bf16, CUDA graph, 1k context) | ms |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in results.items()]
     full = results["full step, 1 token"]
@@ -256,6 +302,60 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None) -> list[st
     return lines
 
 
+def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) -> list[str]:
+    """Fuse the target (and the drafts' adapters) in place, then the fused rows; returns the comparison table."""
+    from engine.fused import fuse_for_inference
+
+    target = bench.loaded.model
+    compile = args.fused == "compiled"
+    before = step_profile(target)
+    target.fuse_for_inference(compile=compile)
+    drafts = best or seed
+    for draft in {id(d): d for d in drafts.values()}.values():
+        draft.requires_grad_(False)  # trainable weights with grad enabled would keep the unfused path
+        fuse_for_inference(draft, compile=compile)  # the draft's own adapter layers (its trunk is the target's)
+    after = step_profile(target)
+    mode = target.fused  # "hand" when compiling failed and the kernels fell back to eager
+    print(json.dumps({"fused": mode, "step_unfused": before, "step_fused": after}), flush=True)
+    kind_name = "best drafts" if best else "seed-default shape"
+    for bs, kind, new, greedy in settings:
+        setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
+        prompts, domains = pick_prompts(bench.prompts, kind, bs)
+        ref = refs[setting]
+        bench.add(setting, "engine AR (fused)", bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
+        if best:
+            for block in (5, 2):
+                bench.add(setting, f"FlashSpec best drafts, block {block} (fused)",
+                          bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
+            bench.add(setting, "FlashSpec best drafts, block 5, governor (fused)",
+                      bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+        else:
+            for block, label in ((2, "block 2"), (5, "block gamma")):
+                bench.add(setting, f"FlashSpec {kind_name}, {label} (fused)",
+                          bench.run_engine(prompts, domains, new, greedy, bs, seed, block=block, reference=ref))
+    layers = target.args.num_layers
+    fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
+    per_layer = lambda k: k / layers if k is not None else None  # noqa: E731
+    lines = ["", f"Fused inference path ({mode}; Transformer.fuse_for_inference) against the same rows unfused, "
+                 "same run. Greedy agreement is with the unfused engine AR.",
+             "| decode step, bs 1, 1 token, 512 context | unfused | fused | fused / unfused |", "|---|---|---|---|",
+             f"| CUDA graph replay, ms | {before['ms']:.3f} | {after['ms']:.3f} | {after['ms'] / before['ms']:.2f}x |",
+             f"| CUDA kernels per eager step (per layer) | {fmt(before['kernels'], '{}')} "
+             f"({fmt(per_layer(before['kernels']), '{:.1f}')}) | {fmt(after['kernels'], '{}')} "
+             f"({fmt(per_layer(after['kernels']), '{:.1f}')}) | - |", "",
+             "| setting | path | unfused tokens/s | fused tokens/s | fused / unfused | greedy agreement with AR |",
+             "|---|---|---|---|---|---|"]
+    for r in bench.rows:
+        if not r["name"].endswith(" (fused)"):
+            continue
+        base = next((x for x in bench.rows if x["setting"] == r["setting"] and x["name"] == r["name"][: -len(" (fused)")]),
+                    None)
+        ratio = r["tps"] / base["tps"] if base else None
+        lines.append(f"| {r['setting']} | {r['name']} | {fmt(base['tps'] if base else None, '{:.1f}')} | {r['tps']:.1f} | "
+                     f"{fmt(ratio)}x | {fmt(r.get('agreement'), '{:.3f}')} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="bench/data/gpu_prompts.json")
@@ -265,6 +365,10 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--fused", nargs="?", const="compiled", choices=("compiled", "hand"), default=None,
+                        help="also run the fused inference path after the unfused rows: 'compiled' (the default "
+                             "when the flag is given: fused GEMMs + compiled RMSNorm/RoPE/SiLU) or 'hand' (fused "
+                             "GEMMs only)")
     args = parser.parse_args()
     bench = Bench(args)
     target = bench.loaded.model
@@ -272,6 +376,7 @@ def main() -> None:
     seed = seed_default_drafts(args.seed_drafts, target)
     settings = [(bs, kind, new, greedy) for bs in ((1,) if args.quick else (1, 8))
                 for kind, new in (("long", 256), ("short", 20)) for greedy in ((True,) if args.quick else (True, False))]
+    refs: dict[str, list] = {}  # setting -> the unfused engine AR outputs
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
@@ -281,6 +386,7 @@ def main() -> None:
         ar = bench.run_engine(prompts, domains, new, greedy, bs, None)
         bench.add(setting, "engine AR", ar)
         ref = ar["outs"]
+        refs[setting] = ref
         bench.add(setting, "FlashSpec seed-default shape, block 2",
                   bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
         bench.add(setting, "FlashSpec seed-default shape, block gamma",
@@ -291,6 +397,7 @@ def main() -> None:
                           bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
             bench.add(setting, "FlashSpec best drafts, block 5, governor",
                       bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+    fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
              f"prompts {args.prompts}", "",
              "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
@@ -303,8 +410,9 @@ def main() -> None:
         lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
                      f"{fmt(r['tps'] / st_tps if st_tps else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('acc'))} | "
                      f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} |")
+    lines += fused_lines
     if not args.skip_cost:
-        lines += [""] + cost_model()
+        lines += [""] + cost_model(fused=args.fused)
     text = "\n".join(lines)
     print(text)
     if args.out:

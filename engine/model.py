@@ -4,11 +4,16 @@ Module names follow Hugging Face's so a checkpoint's state dict loads as it is (
 `model.` prefix). `Transformer.forward` runs any contiguous range of layers, from the embeddings
 or from given hidden states: a FlashSpec draft runs layers [0, N) of this very module, and the
 verifier later runs [N, L) from the hidden states the draft computed.
+
+`Transformer.fuse_for_inference()` switches on the opt-in fused path (engine/fused.py): q/k/v and
+gate/up as single GEMMs over views of the same parameters, and optionally compiled elementwise kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -18,6 +23,11 @@ from engine.attention import AttentionBackend, SdpaBackend
 from engine.cache import KVCache
 from engine.config import ModelArgs
 from engine.rope import apply_rope, rope_tables
+
+if TYPE_CHECKING:
+    from engine.fused import FusedLinear, FusedOps, Kernels
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -41,6 +51,42 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
+        self.qkv: FusedLinear | None = None  # set by fuse(): one GEMM over views of q/k/v_proj's parameters
+
+    def fuse(self) -> None:
+        from engine.fused import FusedLinear
+
+        if self.qkv is None or not self.qkv.intact():
+            self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+
+    def unfuse(self) -> None:
+        if self.qkv is not None:
+            self.qkv.release()
+            self.qkv = None
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() give each parameter new storage: fuse again over the converted ones.
+        out = super()._apply(fn, recurse)
+        if self.qkv is not None and not self.qkv.intact():
+            self.fuse()
+        return out
+
+    def forward_fused(self, x: torch.Tensor, shape: tuple[int, int], ctx: "StepContext", cache_layer: int,
+                      kernels: "Kernels") -> torch.Tensor:
+        """x (N, H) with N = B*T rows of shape (B, T) -> (N, H): one q|k|v GEMM, one RoPE pass over q and k."""
+        bsz, seqlen = shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        n = bsz * seqlen
+        qkv = self.qkv(x)  # (N, (Hq + 2 Hkv) D)
+        qk = kernels.rope_qk(qkv, ctx.cos.reshape(n, d), ctx.sin.reshape(n, d), hq + hkv, d)  # (N, Hq + Hkv, D)
+        q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+        k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+        v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)
+        if ctx.cache is not None:
+            ctx.cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
+            k, v = ctx.cache.read(cache_layer, ctx.rows, ctx.kv_len)
+        out = ctx.backend(q, k, v, ctx.mask)  # (B, Hq, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -62,6 +108,27 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up: FusedLinear | None = None  # set by fuse(): one GEMM over views of gate/up_proj's parameters
+
+    def fuse(self) -> None:
+        from engine.fused import FusedLinear
+
+        if self.gate_up is None or not self.gate_up.intact():
+            self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+
+    def unfuse(self) -> None:
+        if self.gate_up is not None:
+            self.gate_up.release()
+            self.gate_up = None
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        if self.gate_up is not None and not self.gate_up.intact():
+            self.fuse()
+        return out
+
+    def forward_fused(self, x: torch.Tensor, kernels: "Kernels") -> torch.Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_up(x), self.gate_proj.out_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -74,8 +141,53 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ops: FusedOps | None = None  # set by fuse(): the fused path is on
+        self._warned_stale = False
+
+    # ----- the fused inference path (engine/fused.py) -----------------------------------------
+    def fuse(self, ops: "FusedOps") -> None:
+        self.self_attn.fuse()
+        self.mlp.fuse()
+        self.ops = ops
+        self._warned_stale = False
+
+    def unfuse(self) -> None:
+        self.self_attn.unfuse()
+        self.mlp.unfuse()
+        self.ops = None
+
+    def fusion_active(self) -> bool:
+        """Whether this call can take the fused path: fused, weights still aliased, no gradient needed."""
+        if self.ops is None:
+            return False
+        qkv, gate_up = self.self_attn.qkv, self.mlp.gate_up
+        if not (qkv.intact() and gate_up.intact()):
+            if not self._warned_stale:
+                self._warned_stale = True
+                log.warning("a fused layer's q/k/v or gate/up parameters were replaced after fuse_for_inference(); "
+                            "running it unfused (call fuse_for_inference() again to re-fuse)")
+            return False
+        return not (torch.is_grad_enabled() and (qkv.needs_grad() or gate_up.needs_grad()))
+
+    def forward_fused(self, x: torch.Tensor, delta: torch.Tensor | None, shape: tuple[int, int], ctx: "StepContext",
+                      cache_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream x (N, H) plus a pending `delta` (the previous layer's MLP output, not yet added)
+        -> (residual after attention, this layer's MLP output): the add is folded into the next norm."""
+        kernels = self.ops.select(shape[1])
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            h = kernels.rms_norm(x, ln1.weight, ln1.eps)
+        else:
+            x, h = kernels.add_rms_norm(x, delta, ln1.weight, ln1.eps)
+        a = self.self_attn.forward_fused(h, shape, ctx, cache_layer, kernels)
+        x, h = kernels.add_rms_norm(x, a, ln2.weight, ln2.eps)
+        return x, self.mlp.forward_fused(h, kernels)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
+        if self.ops is not None and self.fusion_active():
+            bsz, seqlen, hidden = x.shape
+            res, delta = self.forward_fused(x.reshape(bsz * seqlen, hidden), None, (bsz, seqlen), ctx, cache_layer)
+            return (res + delta).view(bsz, seqlen, hidden)
         x = x + self.self_attn(self.input_layernorm(x), ctx, cache_layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -116,6 +228,7 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.backend: AttentionBackend = SdpaBackend()
+        self._fused_ops: FusedOps | None = None  # set by fuse_for_inference()
         self._rope_len = 0
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
@@ -186,8 +299,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"a layer range starting at {layers.start} needs the hidden states entering it")
             hidden = self.embed_tokens(tokens)  # (B, T, H)
         ctx = ctx or self.context(input_pos, cache, rows, kv_len)
-        for i in layers:
-            hidden = self.layers[i](hidden, ctx, i)
+        if self._fused_ops is not None:
+            hidden = self._fused_layers(hidden, layers, ctx)
+        else:
+            for i in layers:
+                hidden = self.layers[i](hidden, ctx, i)
         if layers.stop != self.args.num_layers:
             return ForwardOutput(hidden, None, None)
         final = hidden
@@ -204,6 +320,56 @@ class Transformer(nn.Module):
         x = self.norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.eps))
         logits = F.linear(x, self._lm_head_fp32()) if compute_logits else None
         return ForwardOutput(hidden, x.to(final.dtype), logits)
+
+    # ----- the fused inference path (engine/fused.py) ---------------------------------------------
+    def fuse_for_inference(self, compile: bool | None = None, **kwargs) -> "Transformer":
+        """Switch on the fused inference path, in place (off by default; inference only).
+
+        Hand fusion: q/k/v and gate/up each run as one GEMM over a concatenated weight whose slices
+        *are* the modules' parameters (views): module structure, parameters and state_dict unchanged,
+        no extra memory; the residual add is folded into the following RMSNorm. compile: also
+        torch.compile the elementwise pieces (RMSNorm + residual add, RoPE on q and k, SiLU * up) for
+        steps of at most 16 tokens per row; None = on when the model is on CUDA. A compile failure
+        logs one warning and runs them eagerly. kwargs: `backend`, `max_compiled_tokens`
+        (engine.fused.fuse_for_inference). Fuse before building a DecodeEngine on this model.
+        """
+        from engine.fused import fuse_for_inference
+
+        fuse_for_inference(self, compile, **kwargs)
+        return self
+
+    def unfuse_for_inference(self) -> "Transformer":
+        """Back to the unfused path, every parameter in its own storage again."""
+        from engine.fused import unfuse
+
+        unfuse(self)
+        return self
+
+    @property
+    def fused(self) -> str | None:
+        """None (unfused), "hand" (fused GEMMs, eager elementwise) or "compiled" (plus compiled elementwise kernels)."""
+        ops = self._fused_ops
+        if ops is None:
+            return None
+        return "compiled" if ops.compiling else "hand"
+
+    def _fused_layers(self, hidden: torch.Tensor, layers: range, ctx: StepContext) -> torch.Tensor:
+        """Layers `layers` on hidden (B, T, H) as (N, H) rows, each layer's last residual add deferred into
+        the next layer's first norm (one kernel fewer per layer). Layers that cannot take the fused path
+        right now (see DecoderLayer.fusion_active) run unfused."""
+        bsz, seqlen, size = hidden.shape
+        x, delta = hidden.reshape(bsz * seqlen, size), None
+        for i in layers:
+            layer = self.layers[i]
+            if layer.fusion_active():
+                x, delta = layer.forward_fused(x, delta, (bsz, seqlen), ctx, i)
+            else:
+                if delta is not None:
+                    x, delta = x + delta, None
+                x = layer(x.view(bsz, seqlen, size), ctx, i).reshape(bsz * seqlen, size)
+        if delta is not None:
+            x = x + delta
+        return x.view(bsz, seqlen, size)
 
     def _lm_head_fp32(self) -> torch.Tensor:
         """An fp32 copy of the (frozen) lm_head weight, made once."""

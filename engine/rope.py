@@ -45,3 +45,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, D); cos/sin (B, 1, T, D) in x's dtype."""
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """RoPE on the query and key heads of a fused q|k|v projection, in one pass.
+
+    qkv (N, W) with the `heads` = Hq + Hkv rotated heads first (v's columns after them are not read);
+    cos/sin (N, D) in qkv's dtype. Returns (N, heads, D): the rotated q heads, then the k heads. The
+    arithmetic is `apply_rope`'s, element for element.
+    """
+    x = qkv[:, : heads * head_dim].reshape(qkv.shape[0], heads, head_dim)
+    return apply_rope(x, cos[:, None], sin[:, None])
