@@ -198,6 +198,7 @@ class DecodeEngine:
     def _admit(self) -> list[RequestOutput]:
         free = [i for i, s in enumerate(self.slots) if s is None]
         batch: list[SlotState] = []
+        rows = self.num_running + min(len(free), len(self.waiting))  # the batch size these requests will run in
         while free and self.waiting:
             req = self.waiting.popleft()
             slot = free.pop(0)
@@ -206,7 +207,7 @@ class DecodeEngine:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(req.params.seed)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not self.governor.allow(req.draft, self.num_running + 1):  # rows once it runs
+            if draft is not None and not self.governor.allow(req.draft, rows):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None

@@ -117,3 +117,29 @@ def test_steps_that_capture_a_graph_are_not_cost_samples(tiny):
     eng.graphs, samples[:] = GraphCache(enabled=False), []  # nothing captured: every plain step is a sample
     generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
     assert len(samples) == 5
+
+
+def test_requests_admitted_together_are_priced_at_the_batch_they_will_run_in(tiny):
+    """Eight requests admitted in one step run as a batch of 8: none speculates when it pays only at batch 1."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.requests import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp"))
+    gov = SpeculationGovernor(probe_every=1000)
+    feed(gov, "d", ar_cost=0.010, spec_cost=0.005, rows=1)  # pays alone
+    feed(gov, "d", ar_cost=0.002, spec_cost=0.004, rows=8)  # not at batch 8
+    eng = DecodeEngine(target, None, max_batch_size=8, max_seq_len=64, governor=gov)
+    eng.add_draft("d", draft)
+    for i in range(8):
+        eng.add_request(Request(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=4, eos_token_ids=()), "d"))
+    eng.step()
+    assert [s.draft for s in eng.slots] == [None] * 8
+    eng2 = DecodeEngine(target, None, max_batch_size=8, max_seq_len=64, governor=gov)
+    eng2.add_draft("d", draft)
+    eng2.add_request(Request("alone", [1, 2, 3], SamplingParams(max_new_tokens=4, eos_token_ids=()), "d"))
+    eng2.step()
+    assert eng2.slots[0] is not None and eng2.slots[0].draft is draft  # alone, it pays: speculates
