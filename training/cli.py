@@ -235,6 +235,8 @@ def train_draft(
     text_field: Annotated[Optional[str], typer.Option(help="With --dataset: column of raw documents.")] = None,
     messages_field: Annotated[Optional[str], typer.Option(help="With --dataset: column of chats.")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 300,
+    max_seconds: Annotated[Optional[float], typer.Option(
+        help="Time budget of the training loop; the schedule follows whichever of steps or time runs out first.")] = None,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 8,
     grad_accum: Annotated[int, typer.Option(help="Micro-batches per step.")] = 1,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 256,
@@ -243,7 +245,7 @@ def train_draft(
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps.")] = 20,
     ce_weight: Annotated[float, typer.Option(help="Cross-entropy weight (0: pure KL to the target).")] = 0.0,
     rollout_steps: Annotated[int, typer.Option(help="Draft passes per batch for deep drafts (1-3).")] = 2,
-    shared_layers: Annotated[int, typer.Option(help="N: target layers shared as the trunk.")] = 2,
+    shared_layers: Annotated[int, typer.Option(help="N: target layers shared as the trunk.")] = 3,
     adapter_layers: Annotated[int, typer.Option(help="A: adapter layers.")] = 1,
     head: Annotated[str, typer.Option(help="mlp or mlp_tied.")] = "mlp_tied",
     feature_input: Annotated[str, typer.Option(help="deep or none.")] = "deep",
@@ -274,7 +276,8 @@ def train_draft(
         run_dir = out or flashspec_home() / "runs" / domain
         cfg = TrainConfig(
             domain=domain, shared_layers=shared_layers, adapter_layers=adapter_layers, head=head,
-            feature_input=feature_input, head_vocab=head_vocab or None, steps=steps, batch_size=batch_size,
+            feature_input=feature_input, head_vocab=head_vocab or None, steps=steps, max_seconds=max_seconds,
+            batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,
             ce_weight=ce_weight, rollout_steps=rollout_steps, seed=seed, device=device, out_dir=str(run_dir),
             resume=resume, eval_every=max(1, min(100, steps)), save_every=max(1, min(100, steps)),

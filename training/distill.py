@@ -44,7 +44,7 @@ class TrainConfig(BaseModel):
 
     domain: str = Field(description="Domain the draft is for: code, general, dialog, or mixed (all three).")
     # Draft shape (defaults: the demo drafts' recipe).
-    shared_layers: Optional[int] = Field(2, description="N: target layers shared as the trunk (None: round(L/4)).")
+    shared_layers: Optional[int] = Field(3, description="N: target layers shared as the trunk (None: round(L/4)).")
     adapter_layers: int = Field(1, description="A: trained adapter decoder layers.")
     head: Literal["mlp", "mlp_tied"] = Field("mlp_tied", description="Head type (mlp_tied reuses the target's lm_head).")
     feature_input: Literal["none", "deep"] = Field("deep", description="'deep': fuse the target's last hidden state in.")
