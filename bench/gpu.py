@@ -356,12 +356,33 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     return lines
 
 
+def main_table(bench: Bench, args) -> list[str]:
+    """The setup line and one row per measured path, with ratios to engine AR and transformers static."""
+    lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
+             f"prompts {args.prompts}", "",
+             "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
+             "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
+    for r in bench.rows:
+        same = [x for x in bench.rows if x["setting"] == r["setting"]]
+        ar_tps = next((x["tps"] for x in same if x["name"] == "engine AR"), None)
+        st_tps = next((x["tps"] for x in same if x["name"] == "transformers generate (static)"), None)
+        lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
+                     f"{fmt(r['tps'] / st_tps if st_tps else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('acc'))} | "
+                     f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="bench/data/gpu_prompts.json")
     parser.add_argument("--drafts", default=None, help="folder with <domain>/ trained drafts (best configuration)")
     parser.add_argument("--seed-drafts", default=None, help="folder with <domain>/ trained seed-default-shape drafts")
     parser.add_argument("--quick", action="store_true", help="bs 1 only, greedy only")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma list of batch sizes to run")
+    parser.add_argument("--lengths", default="long,short", help="long (512->256) and/or short (32->20)")
+    parser.add_argument("--sampling", default="greedy,t1", help="greedy and/or t1 (T=1)")
+    parser.add_argument("--skip-seed", action="store_true", help="leave out the seed-default-shape rows")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--out", default=None)
@@ -374,8 +395,10 @@ def main() -> None:
     target = bench.loaded.model
     best = load_drafts(args.drafts, target)
     seed = seed_default_drafts(args.seed_drafts, target)
-    settings = [(bs, kind, new, greedy) for bs in ((1,) if args.quick else (1, 8))
-                for kind, new in (("long", 256), ("short", 20)) for greedy in ((True,) if args.quick else (True, False))]
+    sizes = [1] if args.quick else [int(b) for b in args.batch_sizes.split(",")]
+    greedies = [True] if args.quick else [m == "greedy" for m in args.sampling.split(",")]
+    lengths = [(k, {"long": 256, "short": 20}[k]) for k in args.lengths.split(",")]
+    settings = [(bs, kind, new, greedy) for bs in sizes for kind, new in lengths for greedy in greedies]
     refs: dict[str, list] = {}  # setting -> the unfused engine AR outputs
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
@@ -387,30 +410,21 @@ def main() -> None:
         bench.add(setting, "engine AR", ar)
         ref = ar["outs"]
         refs[setting] = ref
-        bench.add(setting, "FlashSpec seed-default shape, block 2",
-                  bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
-        bench.add(setting, "FlashSpec seed-default shape, block gamma",
-                  bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
+        if not args.skip_seed:
+            bench.add(setting, "FlashSpec seed-default shape, block 2",
+                      bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
+            bench.add(setting, "FlashSpec seed-default shape, block gamma",
+                      bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
         if best:
             for block in (5, 2):
                 bench.add(setting, f"FlashSpec best drafts, block {block}",
                           bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
             bench.add(setting, "FlashSpec best drafts, block 5, governor",
                       bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+        if args.out:  # the table so far, so a run stopped by a time limit still leaves one
+            Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []
-    lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
-             f"prompts {args.prompts}", "",
-             "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
-             "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in bench.rows:
-        same = [x for x in bench.rows if x["setting"] == r["setting"]]
-        ar_tps = next((x["tps"] for x in same if x["name"] == "engine AR"), None)
-        st_tps = next((x["tps"] for x in same if x["name"] == "transformers generate (static)"), None)
-        fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
-        lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
-                     f"{fmt(r['tps'] / st_tps if st_tps else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('acc'))} | "
-                     f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} |")
-    lines += fused_lines
+    lines = main_table(bench, args) + fused_lines
     if not args.skip_cost:
         lines += [""] + cost_model(fused=args.fused)
     text = "\n".join(lines)
