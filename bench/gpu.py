@@ -302,6 +302,15 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
     return lines
 
 
+def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "") -> None:
+    """The best drafts at block 5 and 2, and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
+    for block in (5, 2):
+        bench.add(setting, f"FlashSpec best drafts, block {block}{suffix}",
+                  bench.run_engine(*workload, best, block=block, reference=ref))
+    bench.add(setting, f"FlashSpec best drafts, block 5, governor{suffix}",
+              bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
+
+
 def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) -> list[str]:
     """Fuse the target (and the drafts' adapters) in place, then the fused rows; returns the comparison table."""
     from engine.fused import fuse_for_inference
@@ -324,11 +333,7 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
         ref = refs[setting]
         bench.add(setting, "engine AR (fused)", bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
         if best:
-            for block in (5, 2):
-                bench.add(setting, f"FlashSpec best drafts, block {block} (fused)",
-                          bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
-            bench.add(setting, "FlashSpec best drafts, block 5, governor (fused)",
-                      bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, " (fused)")
         else:
             for block, label in ((2, "block 2"), (5, "block gamma")):
                 bench.add(setting, f"FlashSpec {kind_name}, {label} (fused)",
@@ -416,11 +421,7 @@ def main() -> None:
             bench.add(setting, "FlashSpec seed-default shape, block gamma",
                       bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
         if best:
-            for block in (5, 2):
-                bench.add(setting, f"FlashSpec best drafts, block {block}",
-                          bench.run_engine(prompts, domains, new, greedy, bs, best, block=block, reference=ref))
-            bench.add(setting, "FlashSpec best drafts, block 5, governor",
-                      bench.run_engine(prompts, domains, new, greedy, bs, best, block=5, governor=True, reference=ref))
+            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref)
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []

