@@ -177,6 +177,9 @@ def load_draft(path: str | Path, target_model: Transformer, name: str | None = N
     draft.load_state_dict(state, strict=True)
     draft.head._sub_weight = None
     draft.requires_grad_(False)
+    from engine.cpu_linear import pack_linears
+
+    pack_linears(draft)  # its own layers only: the trunk is the target's (packed, if at all, when it was loaded)
     return draft.eval()
 
 

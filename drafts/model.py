@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from drafts.config import DraftConfig
+from engine import cpu_linear
 from engine.model import DecoderLayer, RMSNorm, StepContext, Transformer
 
 
@@ -28,6 +29,7 @@ class DraftHead(nn.Module):
         self.fc1 = nn.Linear(hidden, hidden // 2)
         self.fc2 = nn.Linear(hidden // 2, hidden if tied else vocab)
         self._sub_weight: torch.Tensor | None = None
+        self._packed: dict = {}  # engine.cpu_linear's packed copy of the sub-vocabulary rows (CPU inference)
 
     def forward(self, x: torch.Tensor, lm_head: nn.Linear, vocab_ids: torch.Tensor | None) -> torch.Tensor:
         """Scores (..., K) over vocab_ids (or (..., V) over the whole vocabulary)."""
@@ -40,7 +42,7 @@ class DraftHead(nn.Module):
         w = self._sub_weight
         if w is None or w.device != lm_head.weight.device or w.dtype != lm_head.weight.dtype or w.shape[0] != len(vocab_ids):
             w = self._sub_weight = lm_head.weight[vocab_ids].detach().clone()
-        return F.linear(x + y, w)
+        return cpu_linear.linear(x + y, w, self._packed, "sub_vocab")
 
 
 class DraftModel(nn.Module):

@@ -27,6 +27,13 @@ TOL = 1e-5
 NAMES = ["llama_untied", "qwen2_qkv_bias"]  # conftest.PARITY_MODELS: GQA (4 q heads, 2 kv heads); qwen2 has q/k/v bias
 
 
+@pytest.fixture(autouse=True)
+def _plain_cpu_linears(monkeypatch):
+    """These tests compare fusion against no fusion, so both sides use F.linear (not the oneDNN-packed
+    CPU projections of engine/cpu_linear.py, which round differently)."""
+    monkeypatch.setenv("FLASHSPEC_CPU_PACKED", "0")
+
+
 def _load(hf_models, name: str):
     return load_model(str(hf_models[name][0]), dtype="float32").model
 

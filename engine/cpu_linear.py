@@ -1,0 +1,94 @@
+"""Faster fp32 linear layers on the CPU: oneDNN with weights prepacked once.
+
+On the CPU, `F.linear` goes to MKL's sgemm, which is slow for the few rows a decode step or a
+verify pass carries: on a 2-core x86 machine a 576 x 1536 projection takes 89 µs for 1 row and
+180 µs for 6, and the 49k-row vocabulary projection 10.6 ms and 22 ms. oneDNN with the weight
+reordered once into its blocked layout takes 49 / 71 µs and 4.8 / 4.1 ms: a decode step of the
+default model drops from 59 to 44 ms and a 6-token verify pass from 90 to 56 ms.
+
+`pack_linears(module)` switches every `nn.Linear` below `module` to `PackedLinear` (same class
+otherwise, same parameters and state dict) holding a packed copy of its weight. The packed path runs
+only when it can give the same answer as `F.linear` up to rounding: fp32 on the CPU, no gradient
+wanted, and the weight unchanged since packing (its storage and version counter are checked, so a
+training step or a loaded state dict falls back to `F.linear` until `repack` runs). The packed copy
+costs as much memory again as the weights it packs. Off with FLASHSPEC_CPU_PACKED=0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def available() -> bool:
+    """oneDNN is built in and not switched off by FLASHSPEC_CPU_PACKED=0."""
+    if os.environ.get("FLASHSPEC_CPU_PACKED", "1") == "0":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ W.T + b with W prepacked by `_pack`; any number of rows."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PackedWeight:
+    """A packed copy of one weight tensor, valid while the tensor is the one (and as it was) when packed."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        self.packed = _pack(weight)
+
+    def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+                and self.key == (weight.data_ptr(), weight._version, tuple(weight.shape)))
+
+
+class PackedLinear(nn.Linear):
+    """nn.Linear with a oneDNN-packed weight for inference on the CPU (see the module docstring)."""
+
+    _packed: PackedWeight | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = getattr(self, "_packed", None)
+        if packed is not None and packed.usable(self.weight, x):
+            return packed_linear(x, packed.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+    def repack(self) -> None:
+        self._packed = PackedWeight(self.weight) if self.weight.device.type == "cpu" else None
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Switch the fp32 CPU `nn.Linear`s below `module` to PackedLinear; returns how many. No-op when unavailable."""
+    if not available():
+        return 0
+    count = 0
+    for sub in module.modules():
+        if type(sub) is nn.Linear and sub.weight.device.type == "cpu" and sub.weight.dtype == torch.float32:
+            sub.__class__ = PackedLinear
+            sub.repack()
+            count += 1
+        elif isinstance(sub, PackedLinear):
+            sub.repack()
+            count += 1
+    return count
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, cache: dict, key: str) -> torch.Tensor:
+    """F.linear(x, weight) through a packed copy kept in `cache[key]` when the packed path applies."""
+    if available() and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 \
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+        packed = cache.get(key)
+        if packed is None or not packed.usable(weight, x):
+            packed = cache[key] = PackedWeight(weight)
+        return packed_linear(x, packed.packed, None)
+    return F.linear(x, weight)
