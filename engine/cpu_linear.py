@@ -39,17 +39,23 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _identity(weight: torch.Tensor) -> tuple:
+    """Which tensor, in which state: storage, shape and version counter (inference tensors have none:
+    made under torch.inference_mode, they are never trained)."""
+    return weight.data_ptr(), tuple(weight.shape), -1 if weight.is_inference() else weight._version
+
+
 class PackedWeight:
     """A packed copy of one weight tensor, valid while the tensor is the one (and as it was) when packed."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        self.key = _identity(weight)
         self.packed = _pack(weight)
 
     def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                and self.key == (weight.data_ptr(), weight._version, tuple(weight.shape)))
+                and self.key == _identity(weight))
 
 
 class PackedLinear(nn.Linear):

@@ -63,6 +63,19 @@ def test_gradients_and_changed_weights_fall_back_to_f_linear_exactly():
     assert not layer._packed.usable(layer.weight, x.double())
 
 
+def test_layers_made_under_inference_mode_pack_and_run_in_and_out_of_it():
+    """The service loads drafts under torch.inference_mode: their weights have no version counter."""
+    with torch.inference_mode():
+        layer = _linear()
+        assert cpu_linear.pack_linears(layer) == 1
+        x = torch.randn(3, 64)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        x = torch.randn(3, 64)
+        assert layer._packed.usable(layer.weight, x)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("FLASHSPEC_CPU_PACKED", "0")
     layer = _linear()
@@ -92,6 +105,9 @@ def test_loaded_models_and_drafts_are_packed_and_speculation_stays_lossless(hf_m
     folder = save_draft(draft, tmp_path / "d" / "v1", "code", "v1")
     draft = load_draft(folder, model, name="code")
     assert all(isinstance(m, cpu_linear.PackedLinear) for m in draft.modules() if isinstance(m, nn.Linear))
+    from services.drafts import check_draft
+
+    check_draft(draft, model, "code", "v1")  # the service's smoke test runs it under torch.inference_mode
     prompts = [torch.randint(0, model.args.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 11, 17)]
     params = SamplingParams(max_new_tokens=24, eos_token_ids=())
