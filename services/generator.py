@@ -73,6 +73,10 @@ class GeneratorCore:
         from engine.scheduler import DecodeEngine
         from engine.speculative import SpecConfig
 
+        if self.args.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.args.torch_threads)
         try:
             loaded = load_model(self.args.model, device=self.args.device, dtype=self.args.dtype,
                                 max_seq_len=self.args.max_seq_len)

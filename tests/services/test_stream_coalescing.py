@@ -82,3 +82,4 @@ def test_a_consumer_that_keeps_up_gets_one_delta_per_step():
 
     got = asyncio.run(run())
     assert [g.get("text") for g in got[1:]] == ["a", "b", "c"]
+
