@@ -32,6 +32,10 @@ DOMAINS = ("code", "general", "dialog")
 DEMO = dict(shared_layers=3, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
 # The shape the write-up describes: N = round(L/4), A = 2, full vocabulary, no deep features.
 SEED_DEFAULT = dict(shared_layers=None, adapter_layers=2, head="mlp_tied", feature_input="none", head_vocab=None)
+# A leaner draft for machines where a verify pass costs about the same for 1 or 6 tokens (CPUs with
+# packed projections): the trunk is 1 layer, so drafting runs fewer target layers one token at a time.
+LEAN = dict(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
+SHAPES = {"demo": DEMO, "seed-default": SEED_DEFAULT, "lean": LEAN}
 
 
 class Rows(dict):
@@ -168,7 +172,7 @@ def main() -> None:
     t.add_argument("--data", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
-    t.add_argument("--shape", choices=("demo", "seed-default"), default="demo")
+    t.add_argument("--shape", choices=tuple(SHAPES), default="demo")
     t.add_argument("--tag", default="demo")
     t.add_argument("--version", default="demo-v2")
     t.add_argument("--device", default="cuda")
@@ -208,7 +212,7 @@ def main() -> None:
     if args.cmd == "matrix":
         matrix(args, loaded)
         return
-    shape = DEMO if args.shape == "demo" else SEED_DEFAULT
+    shape = SHAPES[args.shape]
     data = {d: json.load(gzip.open(args.data / f"{d}.json.gz", "rt")) for d in DOMAINS}
     for domain in args.domains.split(","):
         names = DOMAINS if domain == "mixed" else (domain,)

@@ -14,6 +14,7 @@ from engine.generate import generate
 from engine.model import Transformer
 from engine.sampling import SamplingParams
 from engine.scheduler import DecodeEngine
+from engine.speculative import SpecConfig
 from training.distill import (TokenData, TrainConfig, TrainError, build_draft, domain_sequences, frequent_vocab,
                               train)
 from training.evaluate import evaluate_draft
@@ -70,6 +71,24 @@ def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, fe
     assert len(last["top1_by_step"]) == (2 if feature_input == "deep" else 1)  # rollout only where features exist
     assert after > before + 0.3, (before, after)
     assert (tmp_path / "ckpt" / "state.pt").is_file() and (tmp_path / "train_log.jsonl").is_file()
+
+
+def test_a_draft_without_shared_layers_trains_and_stays_lossless(tmp_path, setup):
+    """N = 0: the draft sees the token embeddings (and the target's features), not target layers;
+    verification then runs every target layer. Cheapest drafting where GEMMs are flat in the rows."""
+    target, prompts, data = setup
+    cfg = config(tmp_path, shared_layers=0, adapter_layers=1, feature_input="deep", head_vocab=None, steps=30)
+    before = acceptance(target, build_draft(target, cfg, None), prompts[:4])
+    result = train(cfg, target, data, data, progress=False)
+    assert result.history[-1]["loss"] < 0.5 * result.history[0]["loss"]
+    draft = result.draft.eval().requires_grad_(False)
+    assert acceptance(target, draft, prompts[:4]) > before
+    params = SamplingParams(max_new_tokens=24)
+    ar = [r.token_ids for r in generate(DecodeEngine(target, None, max_batch_size=4, max_seq_len=96), prompts[:4], params)]
+    for block in (2, 5):
+        eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=96, spec=SpecConfig(5, block))
+        eng.add_draft("d", draft)
+        assert [r.token_ids for r in generate(eng, prompts[:4], params, ["d"] * 4)] == ar
 
 
 def test_a_time_budget_stops_the_loop_and_runs_the_schedule_to_its_end(tmp_path, setup, monkeypatch):
