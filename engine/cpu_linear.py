@@ -16,18 +16,36 @@ costs as much memory again as the weights it packs. Off with FLASHSPEC_CPU_PACKE
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
+
+@functools.lru_cache(maxsize=1)
+def _works() -> bool:
+    """Pack and run a small projection once: builds (or CPUs) where the oneDNN ops are missing or fail
+    keep plain F.linear instead of failing at load."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        w, x = torch.randn(8, 16), torch.randn(3, 16)
+        out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+        return bool(torch.allclose(out, F.linear(x, w), rtol=1e-4, atol=1e-4))
+    except Exception as exc:  # an op missing from this build, or refused by this CPU
+        log.info("oneDNN-packed projections unavailable (%s); using F.linear", exc)
+        return False
+
 
 def available() -> bool:
-    """oneDNN is built in and not switched off by FLASHSPEC_CPU_PACKED=0."""
+    """oneDNN packing works here and is not switched off by FLASHSPEC_CPU_PACKED=0."""
     if os.environ.get("FLASHSPEC_CPU_PACKED", "1") == "0":
         return False
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return _works()
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:
