@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
+
 @functools.lru_cache(maxsize=1)
 def _works() -> bool:
     """Pack and run a small projection once: builds (or CPUs) where the oneDNN ops are missing or fail
