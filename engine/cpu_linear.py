@@ -1,10 +1,10 @@
 """Faster fp32 linear layers on the CPU: oneDNN with weights prepacked once.
 
 On the CPU, `F.linear` goes to MKL's sgemm, which is slow for the few rows a decode step or a
-verify pass carries: on a 2-core x86 machine a 576 x 1536 projection takes 89 µs for 1 row and
-180 µs for 6, and the 49k-row vocabulary projection 10.6 ms and 22 ms. oneDNN with the weight
-reordered once into its blocked layout takes 49 / 71 µs and 4.8 / 4.1 ms: a decode step of the
-default model drops from 59 to 44 ms and a 6-token verify pass from 90 to 56 ms.
+verify pass carries: on a 2-core x86 machine the 49k-row vocabulary projection takes 10.6 ms for
+1 row and 22 ms for 6. oneDNN with the weight reordered once into its blocked layout takes 5.2 /
+6.8 ms, and a decode step of the default model drops from 58 to 48 ms, a 6-token pass from 84 to
+60 ms (`python -m bench.cpu_costs` measures these).
 
 `pack_linears(module)` switches every `nn.Linear` below `module` to `PackedLinear` (same class
 otherwise, same parameters and state dict) holding a packed copy of its weight. The packed path runs
@@ -58,23 +58,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _identity(weight: torch.Tensor) -> tuple:
-    """Which tensor, in which state: storage, shape and version counter (inference tensors have none:
-    made under torch.inference_mode, they are never trained)."""
-    return weight.data_ptr(), tuple(weight.shape), -1 if weight.is_inference() else weight._version
-
-
 class PackedWeight:
-    """A packed copy of one weight tensor, valid while the tensor is the one (and as it was) when packed."""
+    """A packed copy of one weight tensor, valid while the tensor is the one (and as it was) when packed:
+    same storage and shape, same version counter (inference tensors, made under torch.inference_mode,
+    have none; they are never trained)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.key = _identity(weight)
+        self.ptr, self.shape = weight.data_ptr(), weight.shape
+        self.version = None if weight.is_inference() else weight._version
         self.packed = _pack(weight)
 
     def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
-        return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-                and self.key == _identity(weight))
+        # On every projection of a CPU decode step: cheapest tests first, no allocation.
+        return (weight.data_ptr() == self.ptr and x.dtype == torch.float32 and weight.dtype == torch.float32
+                and x.device.type == "cpu" and weight.shape == self.shape
+                and (self.version is None or weight._version == self.version)
+                and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)))
 
 
 class PackedLinear(nn.Linear):

@@ -43,7 +43,38 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class Attention(nn.Module):
+class _FusableProjections(nn.Module):
+    """fuse() / unfuse() of the projections named in `_fused_parts` that read the same input, kept as
+    one FusedLinear in the attribute `_fused_attr` (engine/fused.py)."""
+
+    _fused_attr: str
+    _fused_parts: tuple[str, ...]
+
+    def fuse(self) -> None:
+        from engine.fused import FusedLinear
+
+        fused = getattr(self, self._fused_attr)
+        if fused is None or not fused.intact():
+            setattr(self, self._fused_attr, FusedLinear([getattr(self, name) for name in self._fused_parts]))
+
+    def unfuse(self) -> None:
+        fused = getattr(self, self._fused_attr)
+        if fused is not None:
+            fused.release()
+            setattr(self, self._fused_attr, None)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half() give each parameter new storage: fuse again over the converted ones.
+        out = super()._apply(fn, recurse)
+        fused = getattr(self, self._fused_attr, None)
+        if fused is not None and not fused.intact():
+            self.fuse()
+        return out
+
+
+class Attention(_FusableProjections):
+    _fused_attr, _fused_parts = "qkv", ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
@@ -52,24 +83,6 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.o_bias)
         self.qkv: FusedLinear | None = None  # set by fuse(): one GEMM over views of q/k/v_proj's parameters
-
-    def fuse(self) -> None:
-        from engine.fused import FusedLinear
-
-        if self.qkv is None or not self.qkv.intact():
-            self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
-
-    def unfuse(self) -> None:
-        if self.qkv is not None:
-            self.qkv.release()
-            self.qkv = None
-
-    def _apply(self, fn, recurse=True):
-        # .to() / .cuda() / .half() give each parameter new storage: fuse again over the converted ones.
-        out = super()._apply(fn, recurse)
-        if self.qkv is not None and not self.qkv.intact():
-            self.fuse()
-        return out
 
     def forward_fused(self, x: torch.Tensor, shape: tuple[int, int], ctx: "StepContext", cache_layer: int,
                       kernels: "Kernels") -> torch.Tensor:
@@ -102,30 +115,15 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class MLP(nn.Module):
+class MLP(_FusableProjections):
+    _fused_attr, _fused_parts = "gate_up", ("gate_proj", "up_proj")
+
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
         self.gate_up: FusedLinear | None = None  # set by fuse(): one GEMM over views of gate/up_proj's parameters
-
-    def fuse(self) -> None:
-        from engine.fused import FusedLinear
-
-        if self.gate_up is None or not self.gate_up.intact():
-            self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
-
-    def unfuse(self) -> None:
-        if self.gate_up is not None:
-            self.gate_up.release()
-            self.gate_up = None
-
-    def _apply(self, fn, recurse=True):
-        out = super()._apply(fn, recurse)
-        if self.gate_up is not None and not self.gate_up.intact():
-            self.fuse()
-        return out
 
     def forward_fused(self, x: torch.Tensor, kernels: "Kernels") -> torch.Tensor:
         return self.down_proj(kernels.silu_mul(self.gate_up(x), self.gate_proj.out_features))

@@ -378,10 +378,10 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         vocab_ids = state["draft"].get("vocab_ids")
     draft = build_draft(target, cfg, vocab_ids)
     optimizer = torch.optim.AdamW(_param_groups(draft, cfg), betas=(0.9, 0.95))
-    spent = {"before": 0.0, "since": time.perf_counter()}  # loop seconds of earlier runs (resume), this run's start
+    resumed_seconds, started = 0.0, time.perf_counter()  # loop time of the runs before a resume; this run's start
 
-    def elapsed() -> float:
-        return spent["before"] + time.perf_counter() - spent["since"]
+    def elapsed() -> float:  # reads the two names above as they are when called
+        return resumed_seconds + time.perf_counter() - started
 
     clock = (lambda: elapsed() / cfg.max_seconds) if cfg.max_seconds else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg, clock))
@@ -392,7 +392,7 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"])
         step, history = state["step"], state["history"]
-        spent["before"] = state.get("elapsed", 0.0)
+        resumed_seconds = state.get("elapsed", 0.0)
     order = _Order(len(train_data), cfg.batch_size, cfg.seed)
     log_file = out_dir / "train_log.jsonl"
 
@@ -405,7 +405,6 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
 
     # Loop: accumulate micro-batches, clip, step, log; evaluate and checkpoint periodically.
     started = time.perf_counter()
-    spent["since"] = started
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {cfg.domain}", disable=not progress, dynamic_ncols=True)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
