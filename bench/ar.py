@@ -9,13 +9,27 @@ import datetime
 import platform
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
 
+def git_commit() -> str:
+    """The checkout's short commit, marked when tracked files differ from it; 'unknown' without git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=root)
+        if out.returncode == 0 and out.stdout.strip():
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=10, cwd=root).stdout.strip()
+            return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
 def setup_line(device: str, threads: int) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit or '?'}, "
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {git_commit()}, "
             f"torch {torch.__version__}, {platform.processor() or platform.machine()}, device {device}, "
             f"threads {torch.get_num_threads() if not threads else threads}")
 

@@ -23,7 +23,6 @@ import json
 import multiprocessing
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.ar import git_commit
 from bench.serve import PROMPTS, Cell, ensure_drafts, one_request, pct
 
 REPLICA_HEADER = "x-flashspec-replica"
@@ -342,21 +342,6 @@ def _machine(device: str) -> tuple[str, int]:
     return name, 0
 
 
-def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parents[1])
-        if out.returncode == 0 and out.stdout.strip():
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, timeout=10, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-            return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
-
-
 def parse_replicas(text: str) -> list[int]:
     values = sorted({int(v) for v in text.split(",") if v.strip()})
     if not values or values[0] < 1:
@@ -506,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     modes_text = {"on": "on (request field speculation: true; the governor may still decode plainly where it does not pay)",
                   "off": "off (request field speculation: false)", "both": "on and off, each measured"}[args.speculation]
     setup = [
-        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit {_commit(args.commit)}",
+        f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit {args.commit or git_commit()}",
         (f"machine: {gpu_count} x {machine}, " if cuda else f"machine: {machine}, ") +
         f"{os.cpu_count()} CPUs; Ray: {ray_cpus:g} CPUs, {ray_gpus:g} GPUs; Python {platform.python_version()}",
         f"model: {health.get('model', config.args.model)}, device {args.device}, dtype {app_args.dtype}, "

@@ -17,14 +17,14 @@ import datetime
 import json
 import os
 import platform
-import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.ar import git_commit
 
 PROMPTS = [
     ("code", "Write a Python function that checks whether a string is a palindrome."),
@@ -192,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     for on, off in zip(cells[::2], cells[1::2]):
         ratio = (on.tokens / on.seconds) / (off.tokens / off.seconds) if off.tokens else float("nan")
         ratios.append(f"{on.clients} clients: {ratio:.2f}x")
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "unknown"
-    setup = (f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit {commit}\n"
+    setup = (f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit {git_commit()}\n"
              f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (shared), "
              f"device {config.args.device}, model {health.get('model')}, dtype {config.args.dtype}\n"
              f"- app: 1 Generator replica, max_batch_size {app_args.max_batch_size}, gamma {app_args.num_speculative_tokens}, "

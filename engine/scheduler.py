@@ -9,7 +9,6 @@ end for offline use. Rows are independent: a ragged batch gives each row what it
 from __future__ import annotations
 
 import collections
-import logging
 import time
 from typing import Iterable
 

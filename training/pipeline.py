@@ -12,7 +12,7 @@ from drafts.checkpoint import load_draft, save_draft
 from drafts.store import DraftStore, default_store_root, shipped_drafts_dir
 from engine.loading import load_model
 from training import corpora
-from training.distill import ALL_DOMAINS, TokenData, TrainConfig, TrainError, domain_sequences, frequent_vocab, train
+from training.distill import ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, frequent_vocab, train
 from training.evaluate import evaluate_draft, held_out_prompts
 from training.selfdistill import self_distill as make_replies
 
