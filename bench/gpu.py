@@ -138,7 +138,7 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def run_engine(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None):
+                   reference=None, mixed_round_graph=False):
         from engine.generate import generate
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -148,7 +148,7 @@ class Bench:
         max_len = max(len(p) for p in prompts) + new + 16
         gov = SpeculationGovernor(enabled=governor, min_samples=4) if governor else None
         eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
-                           spec=SpecConfig(gamma, block), governor=gov)
+                           spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph)
         if drafts:
             for d, draft in drafts.items():
                 eng.add_draft(d, draft)
@@ -302,11 +302,14 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
     return lines
 
 
-def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "") -> None:
-    """The best drafts at block 5 and 2, and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
-    for block in (5, 2):
+def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> None:
+    """The best drafts at each block size, and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
+    for block in blocks:
         bench.add(setting, f"FlashSpec best drafts, block {block}{suffix}",
                   bench.run_engine(*workload, best, block=block, reference=ref))
+    if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: one drafting graph
+        bench.add(setting, f"FlashSpec best drafts, block 5, one-graph mixed rounds{suffix}",
+                  bench.run_engine(*workload, best, block=5, reference=ref, mixed_round_graph=True))
     bench.add(setting, f"FlashSpec best drafts, block 5, governor{suffix}",
               bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
 
@@ -327,13 +330,15 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     mode = target.fused  # "hand" when compiling failed and the kernels fell back to eager
     print(json.dumps({"fused": mode, "step_unfused": before, "step_fused": after}), flush=True)
     kind_name = "best drafts" if best else "seed-default shape"
+    fused_sizes = {int(b) for b in args.fused_batch_sizes.split(",")} if args.fused_batch_sizes else None
+    settings = [s for s in settings if (fused_sizes is None or s[0] in fused_sizes) and (s[3] or not args.fused_greedy_only)]
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
         ref = refs[setting]
         bench.add(setting, "engine AR (fused)", bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
         if best:
-            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, " (fused)")
+            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, " (fused)", args.blocks)
         else:
             for block, label in ((2, "block 2"), (5, "block gamma")):
                 bench.add(setting, f"FlashSpec {kind_name}, {label} (fused)",
@@ -390,6 +395,11 @@ def main() -> None:
     parser.add_argument("--skip-seed", action="store_true", help="leave out the seed-default-shape rows")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--hf-modes", default="eager,static,lookup", help="transformers generate rows to run")
+    parser.add_argument("--blocks", default="5,2", type=lambda v: tuple(int(b) for b in v.split(",")),
+                        help="block sizes of the best-draft rows (the governor row always uses 5)")
+    parser.add_argument("--fused-batch-sizes", default=None, help="fused rows only at these batch sizes (default: all)")
+    parser.add_argument("--fused-greedy-only", action="store_true", help="fused rows only for the greedy settings")
     parser.add_argument("--out", default=None)
     parser.add_argument("--fused", nargs="?", const="compiled", choices=("compiled", "hand"), default=None,
                         help="also run the fused inference path after the unfused rows: 'compiled' (the default "
@@ -409,7 +419,7 @@ def main() -> None:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
         if not args.skip_hf:
-            for mode in ("eager", "static", "lookup"):
+            for mode in args.hf_modes.split(","):
                 bench.add(setting, f"transformers generate ({mode})", bench.run_hf(prompts, new, greedy, mode, bs))
         ar = bench.run_engine(prompts, domains, new, greedy, bs, None)
         bench.add(setting, "engine AR", ar)
@@ -421,7 +431,7 @@ def main() -> None:
             bench.add(setting, "FlashSpec seed-default shape, block gamma",
                       bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
         if best:
-            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref)
+            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, blocks=args.blocks)
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []

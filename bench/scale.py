@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="non-streaming requests (one JSON answer each; TTFT column = whole-request latency)")
     parser.add_argument("--access-log", action="store_true",
                         help="keep Ray Serve's per-request access log (off by default: at saturation it costs CPU in every replica)")
+    parser.add_argument("--graph-warmup-tokens", type=int, default=None,
+                        help="Generator graph_warmup_tokens (default: the serve config's; 0: capture on first use)")
     parser.add_argument("--port", type=int, default=8030)
     parser.add_argument("--commit", default=None, help="commit to report (default: git rev-parse, else 'unknown')")
     parser.add_argument("--out", default="bench/results_scale.md")
@@ -401,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     store, drafts_note = ensure_drafts(config.args.model, config.args.draft_store)
     app_args = config.args.model_copy(update={
         "device": args.device, "draft_store": store, "max_batch_size": args.max_batch_size,
-        "max_queue": args.max_queue if args.max_queue is not None else max(config.args.max_queue, args.clients)})
+        "max_queue": args.max_queue if args.max_queue is not None else max(config.args.max_queue, args.clients),
+        **({"graph_warmup_tokens": args.graph_warmup_tokens} if args.graph_warmup_tokens is not None else {})})
     options = config.deployment_options()
     machine, gpu_count = _machine(args.device)
     need = cpu_budget(max(args.replicas), generator_cpus, args.ingress_replicas, front_cpus)
@@ -500,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         f"and Router x {args.ingress_replicas} ({front_cpus:g} CPU each), one Serve HTTP proxy, Serve access log "
         f"{'on' if args.access_log else 'off'}; max_batch_size "
         f"{app_args.max_batch_size}, max_queue {app_args.max_queue} per replica, gamma {app_args.num_speculative_tokens}, "
-        f"block {app_args.block_size}, governor {'on' if app_args.governor else 'off'}",
+        f"block {app_args.block_size}, governor {'on' if app_args.governor else 'off'}, CUDA graph warm-up "
+        f"{app_args.graph_warmup_tokens if cuda else 0} tokens at replica start",
         f"drafts: {drafts_note}; served: {served}" + (f"; refused: {refused}" if refused else ""),
         f"speculation: {modes_text}",
         f"load: closed loop, {args.clients} clients in {max(1, min(procs, args.clients))} client process(es) on the same "

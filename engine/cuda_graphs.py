@@ -14,9 +14,13 @@ import torch
 
 
 class CapturedStep:
-    def __init__(self, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], warmup: int = 2) -> None:
+    def __init__(self, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], warmup: int = 2,
+                 capture: bool = True) -> None:
         self.fn = fn
         self.static = {k: v.clone() for k, v in inputs.items()}
+        self.graph = None
+        if not capture:  # emulation (tests on CPU): same static buffers and keys, the function runs each call
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -30,15 +34,24 @@ class CapturedStep:
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
         for name, value in inputs.items():
             self.static[name].copy_(value)
-        self.graph.replay()
+        if self.graph is None:
+            self.outputs = self.fn(**self.static)
+        else:
+            self.graph.replay()
         return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in self.outputs)
 
 
 class GraphCache:
-    """Graphs keyed by shape and constants; `enabled=False` (CPU) just calls the function."""
+    """Graphs keyed by shape and constants; `enabled=False` (CPU) just calls the function.
 
-    def __init__(self, enabled: bool) -> None:
+    `capture=False` keeps everything else of the graph path (keys, static input buffers, the callers'
+    padded fixed shapes) but runs the function instead of replaying a graph: the CPU tests exercise
+    the GPU path's bookkeeping that way.
+    """
+
+    def __init__(self, enabled: bool, capture: bool = True) -> None:
         self.enabled = enabled
+        self.capture = capture
         self.graphs: dict[tuple, CapturedStep] = {}
 
     def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor]) -> tuple:
@@ -47,10 +60,20 @@ class GraphCache:
         full_key = key + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
         step = self.graphs.get(full_key)
         if step is None:
-            step = self.graphs[full_key] = CapturedStep(fn, inputs)
+            step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture)
             # The capture's warm-up already did this call's work; replaying once more is harmless
             # (same inputs, same cache writes) and gives the outputs from the graph's buffers.
         return step(inputs)
+
+    def discard(self, token: object) -> int:
+        """Drop every graph whose key mentions `token` at any depth (e.g. a replaced draft's id)."""
+        def mentions(key) -> bool:
+            return any(k == token or (isinstance(k, tuple) and mentions(k)) for k in key)
+
+        stale = [k for k in self.graphs if mentions(k)]
+        for k in stale:
+            del self.graphs[k]
+        return len(stale)
 
     def __len__(self) -> int:
         return len(self.graphs)

@@ -34,12 +34,20 @@ class DecodeEngine:
         spec: SpecConfig | None = None,
         eos_token_ids: Iterable[int] | None = None,
         governor: SpeculationGovernor | None = None,
-        cuda_graphs: bool | None = None,
+        cuda_graphs: bool | str | None = None,
         ar_steps_per_sync: int | None = None,
+        mixed_round_graph: bool = False,
     ) -> None:
-        """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA).
+        """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
+        "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
         ar_steps_per_sync: plain decoding steps run back to back on the device before the host looks at
-        the tokens (default 1 on CPU, 4 on CUDA; tokens past a stop condition are discarded)."""
+        the tokens (default 1 on CPU, 4 on CUDA; tokens past a stop condition are discarded).
+
+        With graphs, a batch whose cache rows are not consecutive runs padded to a batch-size bucket
+        (1, 2, 4, ... max_batch_size) with its rows as a graph input; padding rows point at one extra
+        scratch cache row, so one graph serves every set of rows of that bucket.
+        mixed_round_graph: greedy rounds of a batch mixing drafts as one drafting graph too (one graph per
+        mix of drafts and their row counts; see `engine.speculative._captured_greedy_round`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -47,11 +55,16 @@ class DecodeEngine:
         self.max_seq_len = max_seq_len
         self.margin = self.spec.num_speculative_tokens + 4  # speculative writes past a row's length
         model.args.check_context(max_seq_len)
-        self.cache: KVCache = model.new_cache(max_batch_size, max_seq_len + self.margin)
+        weight = model.embed_tokens.weight
+        use_graphs = weight.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
+        self.graphs = GraphCache(enabled=use_graphs, capture=cuda_graphs != "emulate")
+        # Cache rows: one per slot, plus the scratch row padded graph batches write into.
+        self.scratch_row = max_batch_size if use_graphs else None
+        self.cache_rows = max_batch_size + (1 if use_graphs else 0)
+        self.cache: KVCache = model.new_cache(self.cache_rows, max_seq_len + self.margin)
         self.device = self.cache.k[0].device
-        self.dtype = model.embed_tokens.weight.dtype
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = GraphCache(enabled=use_graphs)
+        self.dtype = weight.dtype
+        self.mixed_round_graph = mixed_round_graph
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
@@ -82,23 +95,28 @@ class DecodeEngine:
                                  "load it while no speculative request runs")
             self.draft_cache = self._new_draft_cache(need)
         if draft.feature_input == "deep" and not self._deep_ready:
-            b, h, w = self.max_batch_size, self._hidden, self.spec.num_speculative_tokens + 2
+            b, h, w = self.cache_rows, self._hidden, self.spec.num_speculative_tokens + 2
             self.last_feature = torch.zeros(b, h, device=self.device, dtype=self.dtype)
             self.round_trunk = torch.zeros(b, w, h, device=self.device, dtype=self.dtype)
             self.round_feat = torch.zeros(b, w, h, device=self.device, dtype=self.dtype)
             self.round_start = torch.zeros(b, dtype=torch.long, device=self.device)
             self._deep_ready = True
+        old = self.drafts.get(name)
+        if old is not None and old is not draft:
+            self.graphs.discard(id(old))  # running rows keep the old draft: their graphs are captured again
         self.drafts[name] = draft
 
     def remove_draft(self, name: str) -> None:
-        self.drafts.pop(name, None)
+        old = self.drafts.pop(name, None)
+        if old is not None:
+            self.graphs.discard(id(old))
 
     def _new_draft_cache(self, layers: int) -> KVCache:
         args = self.model.args
         if self.spec.draft_kv_window:
-            return WindowedKVCache(layers, self.max_batch_size, args.num_kv_heads, self.spec.draft_kv_window,
+            return WindowedKVCache(layers, self.cache_rows, args.num_kv_heads, self.spec.draft_kv_window,
                                    args.head_dim, self.margin, self.dtype, self.device)
-        return KVCache(layers, self.max_batch_size, args.num_kv_heads, self.max_seq_len + self.margin, args.head_dim,
+        return KVCache(layers, self.cache_rows, args.num_kv_heads, self.max_seq_len + self.margin, args.head_dim,
                        self.dtype, self.device)
 
     def draft_kv_len(self, kv_len: int) -> int:
@@ -151,6 +169,43 @@ class DecodeEngine:
 
         prompt = [(i * 7919) % self.model.args.vocab_size for i in range(1, prompt_tokens + 1)]
         generate(self, [prompt], SamplingParams(max_new_tokens=new_tokens, eos_token_ids=()))
+
+    def warmup(self, max_len: int = 256, prompt_len: int = 32) -> int:
+        """Capture the CUDA graphs serving meets first, before any request waits on a capture.
+
+        For every batch-size bucket: full buckets (rows 0..b-1) and padded ones (b-1 rows), each as
+        plain decoding, with each loaded draft, and with the drafts mixed in one batch, over sequences
+        up to `max_len` tokens (longer ones capture their KV-length buckets on first use). The
+        governor is left out (its cost figures come from real traffic). Returns the graphs captured;
+        without graphs it does nothing.
+        """
+        from engine.generate import generate
+        from engine.sampling import SamplingParams
+
+        if not self.graphs.enabled:
+            return 0
+        if self.has_work():
+            raise RuntimeError("warmup runs before the engine takes requests")
+        before = len(self.graphs)
+        prompt_len = max(1, min(prompt_len, max_len - 1, self.max_seq_len - 2))
+        params = SamplingParams(max_new_tokens=max(1, min(max_len, self.max_seq_len - 1) - prompt_len), eos_token_ids=())
+        vocab = self.model.args.vocab_size
+        names = sorted(self.drafts)
+        mixes = [[None], *([n] for n in names)] + ([[None, *names]] if names else [])
+        buckets = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        governor, self.governor = self.governor, SpeculationGovernor(enabled=False)
+        try:
+            for b in buckets:
+                sizes = [b] + ([b - 1] if b > 1 and self.batch_bucket(b - 1) == b else [])
+                for n in sizes:
+                    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)] for i in range(n)]
+                    for mix in mixes:
+                        generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(n)])
+        finally:
+            self.governor = governor
+            self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
+            self.slots = [None] * self.max_batch_size
+        return len(self.graphs) - before
 
     @property
     def num_running(self) -> int:
@@ -333,20 +388,50 @@ class DecodeEngine:
             return kv_len
         return min(-(-kv_len // 64) * 64, self.cache.max_seq_len)
 
+    def batch_bucket(self, n: int) -> int:
+        """The padded batch size a graph of n rows with scattered cache rows runs at: 1, 2, 4, ..., max."""
+        return min(1 << (n - 1).bit_length(), self.max_batch_size)
+
+    def padded_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) cache rows -> (bucket,) with the padding pointing at the scratch row."""
+        pad = self.batch_bucket(len(rows)) - len(rows)
+        if pad == 0:
+            return rows
+        return torch.cat([rows, torch.full((pad,), self.scratch_row, dtype=rows.dtype, device=rows.device)])
+
+    def _graph_rows(self, rows, inputs: dict) -> tuple[tuple, object, dict, int]:
+        """Key part, rows to use inside the graph, (padded) inputs and the real row count.
+
+        Rows 0..n-1 with n a bucket size are a constant slice of the graph (views, no gather); any other
+        rows become a padded graph input, so their graph depends only on the bucket, not on which rows
+        they are (a bounded set of graphs that `warmup` can capture ahead of traffic)."""
+        if isinstance(rows, slice):
+            n = rows.stop - rows.start
+            if rows.start == 0 and n == self.batch_bucket(n):
+                return ("rows", n), rows, inputs, n
+            rows = torch.arange(rows.start, rows.stop, device=self.device)
+        n = len(rows)
+        padded = self.padded_rows(rows)
+        pad = len(padded) - n
+        out = {k: (torch.cat([v, v.new_zeros((pad, *v.shape[1:]))]) if pad else v) for k, v in inputs.items()}
+        out["rows"] = padded
+        return ("bucket",), None, out, n
+
     def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int):
         """Target layers `layers` on tokens (b, T) or hidden (b, T, H) -> (hidden, final_hidden, logits)."""
         kv_len = self.kv_bucket(kv_len)
-        if self.graphs.enabled and isinstance(rows, slice):
-            key = ("target", layers.start, layers.stop, rows.start, rows.stop, kv_len)
+        if self.graphs.enabled:
             model, cache = self.model, self.cache
+            inputs = {"input_pos": input_pos}
+            inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
+            rows_key, const_rows, inputs, n = self._graph_rows(rows, inputs)
+            key = ("target", layers.start, layers.stop, *rows_key, kv_len)
 
-            def fn(input_pos, tokens=None, hidden=None):
+            def fn(input_pos, tokens=None, hidden=None, rows=const_rows):
                 out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len)
                 return out.hidden, out.final_hidden, out.logits
 
-            inputs = {"input_pos": input_pos}
-            inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
-            return self.graphs.run(key, fn, inputs)
+            return tuple(o[:n] if o is not None else None for o in self.graphs.run(key, fn, inputs))
         out = self.model(tokens, input_pos, layers=layers, hidden=hidden, cache=self.cache, rows=rows, kv_len=kv_len)
         return out.hidden, out.final_hidden, out.logits
 
@@ -358,8 +443,9 @@ class DecodeEngine:
         """
         kv_len = self.draft_kv_len(self.kv_bucket(kv_len))
         model, cache = self.model, self.draft_cache
+        const_rows = rows
 
-        def fn(trunk_hidden, input_pos, features=None, pick=None):
+        def fn(trunk_hidden, input_pos, features=None, pick=None, rows=const_rows):
             ctx = model.context(input_pos, cache, rows, kv_len)
             out = draft.adapters_forward(trunk_hidden, features, ctx)  # (g, T, H)
             if pick is None:
@@ -376,9 +462,10 @@ class DecodeEngine:
             inputs["features"] = features
         if pick is not None:
             inputs["pick"] = pick
-        if self.graphs.enabled and isinstance(rows, slice):
-            key = ("draft", id(draft), rows.start, rows.stop, kv_len, with_head)
-            return self.graphs.run(key, fn, inputs)
+        if self.graphs.enabled:
+            rows_key, const_rows, inputs, n = self._graph_rows(rows, inputs)
+            key = ("draft", id(draft), *rows_key, kv_len, with_head)
+            return tuple(o[:n] if o is not None else None for o in self.graphs.run(key, fn, inputs))
         return fn(**inputs)
 
     # ----- deep-feature bookkeeping (used by spec_round) -----------------------------------
@@ -390,7 +477,8 @@ class DecodeEngine:
         state one position earlier), the pending token's index in the window (g,), positions (g, W).
         """
         start = self.round_start[rows]  # (g,)
-        index = pos0 - start  # (g,) in [0, W-1]
+        # (g,) in [0, W-1] for every real row; the clamp only keeps a graph's padding rows in bounds.
+        index = (pos0 - start).clamp(0, self.round_trunk.shape[1] - 1)
         window = self.round_trunk[rows].clone()
         ar = torch.arange(len(rows), device=self.device)
         window[ar, index] = trunk_t0.to(window.dtype)

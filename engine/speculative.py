@@ -98,6 +98,13 @@ class _Groups:
 
 def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig) -> RoundResult:
     """One draft-and-verify round for the given slot states (all with a draft). Mutates the caches."""
+    greedy = all(s.request.params.greedy for s in slots)
+    gamma = cfg.num_speculative_tokens
+    kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
+    single = all(d is drafts[0] for d in drafts)
+    if eng.graphs.enabled and greedy and len(cfg.blocks()) == 1 and (single or eng.mixed_round_graph):
+        return _captured_greedy_round(eng, slots, drafts, gamma, kv_len)
+
     model = eng.model
     device = eng.device
     b = len(slots)
@@ -106,7 +113,6 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     n_trunk = drafts[0].shared_layers
     pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
     pending = torch.tensor([s.pending for s in slots], device=device)
-    greedy = all(s.request.params.greedy for s in slots)
     gens = [s.generator for s in slots]
     temperature = torch.tensor([s.request.params.temperature for s in slots], device=device)
     draft_temperature = torch.tensor(
@@ -114,13 +120,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
          else s.request.params.temperature for s in slots], device=device)
     top_k = torch.tensor([s.request.params.top_k for s in slots], device=device)
     top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
-    gamma = cfg.num_speculative_tokens
-    kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
-
-    if eng.graphs.enabled and greedy and len(groups.items) == 1 and isinstance(rows, slice) and len(cfg.blocks()) == 1:
-        return _captured_greedy_round(eng, drafts[0], rows, rows_t, pos0, pending, gamma, kv_len)
 
     proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
 
@@ -227,54 +228,104 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     return RoundResult(tokens, acc, dr, ps)
 
 
-def _captured_greedy_round(eng: "DecodeEngine", draft: Draft, rows: slice, rows_t: torch.Tensor, pos0: torch.Tensor,
-                           pending: torch.Tensor, gamma: int, kv_len: int) -> RoundResult:
-    """The GPU fast path for greedy rows of one draft with one verify per round (block_size >= gamma).
+def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int) -> RoundResult:
+    """The GPU fast path for greedy rows with one verify per round (block_size >= gamma).
 
-    The whole drafting loop (gamma + 1 trunk steps, adapters, head, argmax) is one CUDA graph and the
-    verification another: the host only sees the round's result. Same tokens as the general loop.
+    The whole drafting loop (gamma + 1 trunk steps, every draft's adapters and head, argmax) is one
+    CUDA graph and the verification another: the host only sees the round's result. Rows are ordered
+    by draft, so each draft runs on one contiguous part of the batch; scattered cache rows run padded
+    to a batch-size bucket with the rows as a graph input. Same tokens as the general loop.
+
+    A batch of one draft always comes here. A batch mixing drafts comes here only with
+    `DecodeEngine(mixed_round_graph=True)`: its graph depends on how many rows each draft has, so a
+    server whose batches mix drafts in ever-changing proportions would keep capturing new graphs.
+    By default such batches take the general loop, whose pieces (trunk step, each draft's step,
+    verify pass) are graphs per batch bucket: a bounded set.
     """
     model = eng.model
-    n_trunk = draft.shared_layers
-    deep = draft.feature_input == "deep"
+    device = eng.device
+    b = len(slots)
+    # Rows grouped by draft (first-seen order), each group contiguous in the batch.
+    order: dict[int, list[int]] = {}
+    for i, d in enumerate(drafts):
+        order.setdefault(id(d), []).append(i)
+    perm = [i for idx in order.values() for i in idx]
+    slots = [slots[i] for i in perm]
+    groups, start = [], 0
+    for idx in order.values():
+        groups.append((drafts[idx[0]], start, start + len(idx)))
+        start += len(idx)
+    n_trunk = groups[0][0].shared_layers
+    any_deep = any(d.feature_input == "deep" for d, _, _ in groups)
     kv_len = eng.kv_bucket(kv_len)
     draft_kv = eng.draft_kv_len(kv_len)
 
+    rows = row_index([s.slot for s in slots], device)
+    rows_t = torch.tensor([s.slot for s in slots], device=device)
+    pos0 = torch.tensor([s.length for s in slots], device=device)
+    pending = torch.tensor([s.pending for s in slots], device=device)
+    if isinstance(rows, slice) and rows.start == 0 and b == eng.batch_bucket(b):
+        const_rows, bucket = rows, b
+    else:  # any other rows: padded to a bucket, the padding rows join the last group
+        const_rows, bucket = None, eng.batch_bucket(b)
+        rows_t = eng.padded_rows(rows_t)
+        pad = bucket - b
+        pos0 = torch.cat([pos0, pos0.new_zeros(pad)])
+        pending = torch.cat([pending, pending.new_zeros(pad)])
+        last, g0, _ = groups[-1]
+        groups[-1] = (last, g0, bucket)
+
     def draft_all(pending, pos0, rows_t):
-        tokens, trunks, drafted, proxy = pending, [], [], None
+        rows = const_rows if const_rows is not None else rows_t
+        tokens, trunks, drafted = pending, [], []
+        proxies: list = [None] * len(groups)
         ar = torch.arange(pending.shape[0], device=pending.device)
         for j in range(gamma + 1):
-            positions = (pos0 + j)[:, None]  # (b, 1)
+            positions = (pos0 + j)[:, None]  # (bucket, 1)
             trunk = model(tokens[:, None], positions, layers=range(0, n_trunk), cache=eng.cache, rows=rows,
-                          kv_len=kv_len).hidden  # (b, 1, H)
+                          kv_len=kv_len).hidden  # (bucket, 1, H)
             trunks.append(trunk)
-            if j == gamma and deep:
-                break  # the next round's window rewrites this position's adapter KV
-            if deep and j == 0:
-                window, feats, index, win_pos = eng.deep_window(rows_t, trunk[:, 0], pos0)
-                ctx = model.context(win_pos, eng.draft_cache, rows, draft_kv)
-                out = draft.adapters_forward(window, feats, ctx)[ar, index]  # (b, H)
-            else:
-                ctx = model.context(positions, eng.draft_cache, rows, draft_kv)
-                out = draft.adapters_forward(trunk, proxy[:, None] if deep else None, ctx)[:, 0]
+            if j == gamma and not any(d.feature_input != "deep" for d, _, _ in groups):
+                break  # deep drafts only: the next round's window rewrites this position's adapter KV
+            next_tokens = []
+            for g, (draft, a, z) in enumerate(groups):
+                deep = draft.feature_input == "deep"
+                g_rows = slice(rows.start + a, rows.start + z) if isinstance(rows, slice) else rows[a:z]
+                if j == gamma and deep:
+                    continue
+                if deep and j == 0:
+                    window, feats, index, win_pos = eng.deep_window(rows_t[a:z], trunk[a:z, 0], pos0[a:z])
+                    ctx = model.context(win_pos, eng.draft_cache, g_rows, draft_kv)
+                    out = draft.adapters_forward(window, feats, ctx)[ar[: z - a], index]  # (g, H)
+                else:
+                    ctx = model.context(positions[a:z], eng.draft_cache, g_rows, draft_kv)
+                    out = draft.adapters_forward(trunk[a:z], proxies[g][:, None] if deep else None, ctx)[:, 0]
+                if j == gamma:
+                    continue  # last token: adapter KV written, no prediction needed
+                next_tokens.append(draft.head_logits(out).argmax(-1))
+                if deep:
+                    proxies[g] = draft.proxy_feature(out)
             if j == gamma:
-                break  # last token: adapter KV written, no prediction needed
-            tokens = draft.head_logits(out).argmax(-1)
+                break
+            tokens = torch.cat(next_tokens)
             drafted.append(tokens)
-            if deep:
-                proxy = draft.proxy_feature(out)
-        return torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (b, gamma), (b, gamma + 1, H)
+        return torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
 
-    key = ("greedy-round", id(draft), rows.start, rows.stop, kv_len, gamma)
+    key = ("greedy-round", tuple((id(d), a, z) for d, a, z in groups),
+           (rows.start, rows.stop) if const_rows is not None else "bucket", kv_len, gamma)
     drafted, trunks = eng.graphs.run(key, draft_all, {"pending": pending, "pos0": pos0, "rows_t": rows_t})
-    q_pos = pos0[:, None] + torch.arange(gamma + 1, device=pos0.device)[None]  # (b, gamma + 1)
-    _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), trunks, rows,
-                                                    kv_len)
-    res = verify_greedy(drafted, target_logits)
-    if deep:
-        eng.store_deep_round(rows_t, pos0, trunks, final_hidden, res.num_accepted)
+    q_pos = pos0[:, None] + torch.arange(gamma + 1, device=device)[None]  # (bucket, gamma + 1)
+    _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), trunks,
+                                                    rows if const_rows is not None else rows_t, kv_len)
+    res = verify_greedy(drafted[:b], target_logits[:b])
+    if any_deep:
+        deep_idx = [i for d, a, z in groups if d.feature_input == "deep" for i in range(a, min(z, b))]
+        sel = torch.tensor(deep_idx, device=device)
+        eng.store_deep_round(rows_t[sel], pos0[sel], trunks[sel], final_hidden[sel], res.num_accepted[sel])
     acc = res.num_accepted.tolist()
     fin = res.next_token.tolist()
-    all_drafted = drafted.tolist()
-    b = len(acc)
-    return RoundResult([all_drafted[i][: acc[i]] + [fin[i]] for i in range(b)], acc, [gamma] * b, [1] * b)
+    all_drafted = drafted[:b].tolist()
+    out: list = [None] * b
+    for k, i in enumerate(perm):  # back to the caller's row order
+        out[i] = (all_drafted[k][: acc[k]] + [fin[k]], acc[k])
+    return RoundResult([o[0] for o in out], [o[1] for o in out], [gamma] * b, [1] * b)

@@ -36,6 +36,9 @@ class AppArgs(BaseModel):
     num_speculative_tokens: int = Field(5, ge=1, le=16, description="Draft tokens per FlashSpec round (gamma).")
     block_size: int = Field(5, ge=1, le=16, description="Drafted tokens verified together (= gamma: one verify pass per round, measured fastest on CPU and GPU; 2 is the write-up's block-wise schedule).")
     governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
+    graph_warmup_tokens: int = Field(
+        256, ge=0, description="With CUDA graphs: at replica start, capture the decode/draft/verify graphs of every "
+                               "batch bucket for sequences up to this many tokens (0: capture on first use only).")
     torch_threads: int | None = Field(
         None, ge=1, description="CPU threads of the Generator's torch ops; null: as many as the replica's num_cpus "
                                 "(Ray's OMP_NUM_THREADS). Small decode GEMMs scale with threads on the CPU.")

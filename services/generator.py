@@ -64,6 +64,7 @@ class GeneratorCore:
         self._registry_seq = 0
         self.loop: EngineLoop | None = None
         self._caught_up = threading.Event()  # set once the registry's activations are applied
+        self._warmed = False
         self._load()
 
     # ----- start-up ------------------------------------------------------------------------
@@ -96,6 +97,21 @@ class GeneratorCore:
         self.loaded.set()
         if self.registry is not None:
             threading.Thread(target=self._poll_registry, name="draft-registry", daemon=True).start()
+
+    def warmup(self) -> int:
+        """Capture the engine's CUDA graphs with the drafts now loaded (once per replica; a no-op on CPU)."""
+        if self._warmed or not self.args.graph_warmup_tokens:
+            return 0
+        self._warmed = True
+        t0 = time.perf_counter()
+        try:
+            n = self.loop.call(lambda eng: eng.warmup(self.args.graph_warmup_tokens)).result()
+        except Exception:  # the replica still serves; its graphs are captured on first use instead
+            log.exception("CUDA graph warm-up failed on replica %s", self.replica)
+            return 0
+        if n:
+            log.info("replica %s captured %d CUDA graphs in %.1f s", self.replica, n, time.perf_counter() - t0)
+        return n
 
     # ----- drafts --------------------------------------------------------------------------
     def apply_user_config(self, config: GeneratorUserConfig) -> dict[str, str]:
@@ -267,6 +283,7 @@ class Generator:
                 await asyncio.to_thread(self.core.catch_up)
             except Exception:
                 log.exception("draft registry catch-up failed; the poller retries")
+            await asyncio.to_thread(self.core.warmup)
 
     async def activate(self, domain: str, version: str) -> dict:
         try:

@@ -72,9 +72,10 @@ def ar_greedy(target, lengths=LENGTHS, new=NEW, max_seq_len=128) -> list[list[in
 
 
 def spec_generate(target, drafts, spec: SpecConfig, lengths=LENGTHS, new=NEW, params=None, tokenizer=None,
-                  max_seq_len=128):
+                  max_seq_len=128, **engine_kwargs):
     """Generate with one draft per row (a list) or the same draft for all rows."""
-    eng = DecodeEngine(target, tokenizer, max_batch_size=len(lengths), max_seq_len=max_seq_len, spec=spec)
+    engine_kwargs.setdefault("max_batch_size", len(lengths))
+    eng = DecodeEngine(target, tokenizer, max_seq_len=max_seq_len, spec=spec, **engine_kwargs)
     per_row = drafts if isinstance(drafts, list) else [drafts] * len(lengths)
     names = []
     for d in per_row:
@@ -436,3 +437,102 @@ def test_sampling_check_detects_a_broken_verifier(small, monkeypatch, broken):
     per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
     position_max, joint_max = thresholds(n)
     assert max(per_position) > position_max or joint > joint_max, (per_position, joint)
+
+
+# ----- the CUDA-graph path's shapes (emulated on CPU: same keys, padding and static buffers) -----------
+
+
+def _mixed_drafts(target):
+    return [oracle(target), random_draft(target, adapter_layers=2), noisy(oracle(target), 0.5),
+            oracle(target, deep=True), None]
+
+
+@pytest.mark.parametrize("gamma, block", [(5, 5), (3, 3), (5, 2)])
+@pytest.mark.parametrize("window", [None, 8])
+def test_graph_path_with_mixed_drafts_is_lossless(target, gamma, block, window):
+    """Several drafts in one captured drafting loop (rows grouped by draft), a batch padded to its bucket
+    (5 rows run as 8 with the scratch row), greedy: every row equals plain decoding."""
+    lengths = LENGTHS + (9,)
+    results = spec_generate(target, _mixed_drafts(target), SpecConfig(gamma, block, draft_kv_window=window),
+                            lengths=lengths, max_batch_size=8, cuda_graphs="emulate", mixed_round_graph=True)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths)
+    if window is None:
+        assert results[0].stats.acceptance_rate == 1.0 and results[3].stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["per-piece", "one-graph"])
+def test_graph_path_with_scattered_rows_equals_plain_decoding(target, mixed):
+    """Requests finishing at different times leave gaps between the running rows and new requests fill
+    them: every step then runs on scattered rows, padded, with the rows as a graph input."""
+    drafts = _mixed_drafts(target)
+    vocab = target.args.vocab_size
+    eng = DecodeEngine(target, None, max_batch_size=6, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
+                       mixed_round_graph=mixed)
+    names = []
+    for i, d in enumerate(drafts):
+        if d is not None:
+            eng.add_draft(f"d{i}", d)
+        names.append(f"d{i}" if d is not None else None)
+    lengths = (5, 17, 2, 30, 9, 12, 7, 21, 3, 14)
+    news = (4, 30, 9, 25, 3, 18, 22, 6, 15, 11)
+    prompts = prompts_for(vocab, lengths)
+    requests = [Request(f"r{i}", prompts[i], SamplingParams(max_new_tokens=news[i], eos_token_ids=()), names[i % 5])
+                for i in range(len(lengths))]
+    got = {r.request_id: [] for r in requests}
+    pending = list(requests)
+    for r in pending[:6]:
+        eng.add_request(r)
+    pending = pending[6:]
+    scattered = 0
+    while eng.has_work():
+        running = [i for i, s in enumerate(eng.slots) if s is not None]
+        scattered += bool(running) and running != list(range(running[0], running[0] + len(running)))
+        for out in eng.step():
+            got[out.request_id].extend(out.token_ids)
+            if out.finished and pending:
+                eng.add_request(pending.pop(0))
+    assert scattered > 0
+    assert any("bucket" in k for k in eng.graphs.graphs)
+    for i, r in enumerate(requests):
+        expected = ar_greedy(target, (lengths[i],), news[i])[0]
+        assert got[r.request_id] == expected, f"request {i} (draft {names[i % 5]})"
+
+
+def test_graph_path_sampled_rows_match_the_plain_path(target):
+    """Sampled rows take the per-step graphs (padded when scattered): same seeded tokens as without graphs."""
+    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=0.8, top_p=0.9, seed=i)
+              for i in range(len(LENGTHS))]
+    drafts = [noisy(oracle(target), 0.5), oracle(target, deep=True), None, noisy(oracle(target), 0.3)]
+    plain = spec_generate(target, drafts, SpecConfig(5, 2), params=params)
+    emulated = spec_generate(target, drafts, SpecConfig(5, 2), params=params, max_batch_size=8, cuda_graphs="emulate")
+    assert [r.token_ids for r in emulated] == [r.token_ids for r in plain]
+
+
+def test_warmup_captures_the_bucket_shapes_ahead_of_traffic(target):
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate")
+    eng.add_draft("code", oracle(target))
+    eng.add_draft("chat", noisy(oracle(target, deep=True), 0.3))
+    assert eng.warmup(max_len=40, prompt_len=8) > 0
+    assert not eng.has_work() and eng.num_running == 0
+    captured = len(eng.graphs)
+    # Three rows (padded to the 4-row bucket), plain and speculative, inside the warmed-up lengths.
+    prompts = prompts_for(target.args.vocab_size, (6, 9, 4))
+    params = SamplingParams(max_new_tokens=20, eos_token_ids=())
+    plain = generate(eng, prompts, params)
+    spec = generate(eng, prompts, params, draft=["code", "code", "code"])
+    assert len(eng.graphs) == captured
+    expected = ar_greedy(target, (6, 9, 4), 20)
+    assert [r.token_ids for r in plain] == expected and [r.token_ids for r in spec] == expected
+
+
+def test_replacing_a_draft_drops_its_graphs(target):
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(3, 3), cuda_graphs="emulate")
+    first = oracle(target)
+    eng.add_draft("code", first)
+    generate(eng, prompts_for(target.args.vocab_size, (5,)), SamplingParams(max_new_tokens=8, eos_token_ids=()),
+             draft="code")
+    assert any(str(id(first)) in str(k) for k in eng.graphs.graphs)
+    eng.add_draft("code", noisy(oracle(target), 0.2))
+    assert not any(str(id(first)) in str(k) for k in eng.graphs.graphs)
+    eng.remove_draft("code")
+    assert not any("greedy-round" in k for k in eng.graphs.graphs)

@@ -42,3 +42,55 @@ def test_graphs_match_eager(feature, block):
                 assert len(eng.graphs) > 0
     assert outs[(True, "ar")] == outs[(False, "ar")]
     assert outs[(True, "spec")] == outs[(False, "spec")] == outs[(False, "ar")]
+
+
+def _drafts(target):
+    out = []
+    for i, (feature, adapters) in enumerate((("none", 3), ("deep", 3), ("none", 1))):
+        d = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=adapters, head="mlp_tied",
+                                           feature_input=feature), name=f"d{i}")
+        d.init_from_target()
+        if i == 2:
+            with torch.no_grad():
+                for p in d.adapters.parameters():
+                    p.add_(0.3 * torch.randn_like(p))
+        out.append(d)
+    return out
+
+
+@pytest.mark.parametrize("block, mixed", [(2, False), (5, False), (5, True)])
+def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed):
+    """Requests of three drafts (and plain ones) finishing at different times, new ones filling the gaps:
+    padded bucket graphs with rows as an input, one drafting graph over several drafts. fp32: exact."""
+    target = tiny_target(torch.float32)
+    drafts = _drafts(target)
+    lengths = (5, 17, 2, 30, 9, 12, 7, 21, 3, 14)
+    news = (4, 30, 9, 25, 3, 18, 22, 6, 15, 11)
+    prompts = [[(11 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate(lengths)]
+    names = ["d0", "d1", "d2", None]
+    outs = {}
+    for graphs in (False, True):
+        eng = DecodeEngine(target, None, max_batch_size=6, max_seq_len=128, spec=SpecConfig(5, block), cuda_graphs=graphs,
+                           mixed_round_graph=mixed)
+        for d in drafts:
+            eng.add_draft(d.name, d)
+        if graphs:
+            assert eng.warmup(max_len=64, prompt_len=8) > 0
+        got = {i: [] for i in range(len(lengths))}
+        queue = list(range(len(lengths)))
+        from engine.requests import Request
+
+        def submit(i):
+            eng.add_request(Request(str(i), prompts[i], SamplingParams(max_new_tokens=news[i], eos_token_ids=()),
+                                    names[i % 4]))
+
+        for i in queue[:6]:
+            submit(i)
+        queue = queue[6:]
+        while eng.has_work():
+            for out in eng.step():
+                got[int(out.request_id)].extend(out.token_ids)
+                if out.finished and queue:
+                    submit(queue.pop(0))
+        outs[graphs] = got
+    assert outs[True] == outs[False]
