@@ -53,6 +53,7 @@ class GraphCache:
         self.enabled = enabled
         self.capture = capture
         self.graphs: dict[tuple, CapturedStep] = {}
+        self.captures = 0  # graphs captured so far (len() drops when `discard` removes some)
 
     def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor]) -> tuple:
         if not self.enabled:
@@ -61,6 +62,7 @@ class GraphCache:
         step = self.graphs.get(full_key)
         if step is None:
             step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture)
+            self.captures += 1
             # The capture's warm-up already did this call's work; replaying once more is harmless
             # (same inputs, same cache writes) and gives the outputs from the graph's buffers.
         return step(inputs)

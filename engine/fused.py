@@ -94,6 +94,8 @@ class _CompiledKernel:
             if len(self.shapes) >= MAX_SHAPES or key in self.eager_keys:
                 return self.eager(*args)  # bounded recompiles: a rare shape runs eagerly
             self.shapes.add(key)
+            global _COMPILES
+            _COMPILES += 1
         try:
             return self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 - any compile failure means "run eagerly", never a crashed run
@@ -166,6 +168,12 @@ def _compile(fn: Callable, backend: str | Callable) -> Callable:
 
 
 _OPS: dict[tuple, FusedOps] = {}
+_COMPILES = 0  # new shapes handed to torch.compile so far (each one compiles: seconds, not a step's cost)
+
+
+def compile_events() -> int:
+    """How many times a compiled kernel met a new shape (and compiled) in this process."""
+    return _COMPILES
 
 
 def make_ops(compile: bool, backend: str | Callable = "inductor", max_compiled_tokens: int = MAX_COMPILED_TOKENS) -> FusedOps:

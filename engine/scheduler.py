@@ -16,6 +16,7 @@ import torch
 
 from engine.cache import KVCache, WindowedKVCache, row_index
 from engine.cuda_graphs import GraphCache
+from engine.fused import compile_events
 from engine.governor import SpeculationGovernor
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
@@ -223,21 +224,21 @@ class DecodeEngine:
                    {o.request_id for o in admitted if o.finished}]
         ar_rows = [s for s in running if s.draft is None]
         spec_rows = [s for s in running if s.draft is not None]
-        # A step that captured a CUDA graph took the capture's time too: it is not a cost sample.
+        # A step that captured a CUDA graph or compiled a kernel took that time too: not a cost sample.
         if ar_rows:
-            t0, graphs = time.perf_counter(), len(self.graphs)
+            t0, cold = time.perf_counter(), self._cold_events()
             new = self._ar_step(ar_rows)
-            if len(self.graphs) == graphs:
+            if self._cold_events() == cold:
                 self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
         if spec_rows:
-            t0, graphs = time.perf_counter(), len(self.graphs)
+            t0, cold = time.perf_counter(), self._cold_events()
             result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
             elapsed = time.perf_counter() - t0
             tokens = sum(len(t) for t in result.tokens)
-            if len(self.graphs) == graphs:
+            if self._cold_events() == cold:
                 for name in {s.request.draft for s in spec_rows}:
                     self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
             for i, s in enumerate(spec_rows):
@@ -248,6 +249,10 @@ class DecodeEngine:
                         and not self.governor.keep_speculating(s.request.draft or "", len(running))):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
+
+    def _cold_events(self) -> int:
+        """Graph captures plus kernel compiles so far: a step that changed it was not a steady-state step."""
+        return self.graphs.captures + compile_events()
 
     def _admit(self) -> list[RequestOutput]:
         free = [i for i, s in enumerate(self.slots) if s is None]
@@ -372,6 +377,10 @@ class DecodeEngine:
                            *(self.max_seq_len - 1 - s.length for s in batch)))
         pos = torch.tensor([[s.length] for s in batch], device=device)  # (b, 1)
         tokens = torch.tensor([[s.pending] for s in batch], device=device)  # (b, 1)
+        graph_steps = min(self.ar_steps_per_sync, self.margin)  # a fixed count: one graph per bucket, not per count
+        if self.graphs.enabled and all(s.request.params.greedy for s in batch):
+            new = self._ar_greedy_graph(tokens, pos, rows, graph_steps, int(max(s.length for s in batch)) + graph_steps)
+            return [row[:steps] for row in new]  # steps past `steps` wrote KV inside the margin; never visible
         new = []
         for i in range(steps):
             _, _, logits = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows,
@@ -380,6 +389,28 @@ class DecodeEngine:
             new.append(tokens)
             pos = pos + 1
         return torch.cat(new, dim=1).tolist()
+
+    def _ar_greedy_graph(self, tokens, pos, rows, steps: int, kv_len: int) -> list[list[int]]:
+        """`steps` greedy decoding steps as one CUDA graph (argmax fed back on the device), one transfer.
+
+        Always `ar_steps_per_sync` steps (capped by the cache margin), even when a row needs fewer: the
+        extra tokens are dropped by the caller and their KV sits past the row's length, invisible and
+        overwritten later, as a rejected draft's does. So the graph is keyed by batch and KV bucket only."""
+        kv_len = self.kv_bucket(kv_len)
+        model, cache, layers = self.model, self.cache, range(self.model.args.num_layers)
+        rows_key, const_rows, inputs, n = self._graph_rows(rows, {"tokens": tokens, "input_pos": pos})
+
+        def fn(tokens, input_pos, rows=const_rows):
+            new = []
+            for _ in range(steps):
+                logits = model(tokens, input_pos, layers=layers, cache=cache, rows=rows, kv_len=kv_len).logits
+                tokens = logits[:, -1].argmax(-1)[:, None]
+                new.append(tokens)
+                input_pos = input_pos + 1
+            return (torch.cat(new, dim=1),)
+
+        (new,) = self.graphs.run(("ar-greedy", steps, *rows_key, kv_len), fn, inputs)
+        return new[:n].tolist()
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
     def kv_bucket(self, kv_len: int) -> int:

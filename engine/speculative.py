@@ -231,8 +231,9 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
 def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int) -> RoundResult:
     """The GPU fast path for greedy rows with one verify per round (block_size >= gamma).
 
-    The whole drafting loop (gamma + 1 trunk steps, every draft's adapters and head, argmax) is one
-    CUDA graph and the verification another: the host only sees the round's result. Rows are ordered
+    The whole round (gamma + 1 trunk steps, every draft's adapters and head, argmax, the verify pass,
+    the accepted prefix, the deep features for the next round) is one CUDA graph: the host sees only
+    the round's result, in one transfer. Rows are ordered
     by draft, so each draft runs on one contiguous part of the batch; scattered cache rows run padded
     to a batch-size bucket with the rows as a graph input. Same tokens as the general loop.
 
@@ -275,7 +276,7 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         last, g0, _ = groups[-1]
         groups[-1] = (last, g0, bucket)
 
-    def draft_all(pending, pos0, rows_t):
+    def round_all(pending, pos0, rows_t):
         rows = const_rows if const_rows is not None else rows_t
         tokens, trunks, drafted = pending, [], []
         proxies: list = [None] * len(groups)
@@ -309,23 +310,23 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
                 break
             tokens = torch.cat(next_tokens)
             drafted.append(tokens)
-        return torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
+        drafted, trunks = torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
+        # Verification in the same graph: the deep layers on the round's trunk states, the longest
+        # matching prefix, and the deep drafts' features for the next round.
+        q_pos = pos0[:, None] + torch.arange(gamma + 1, device=pos0.device)[None]  # (bucket, gamma + 1)
+        out = model(None, q_pos, layers=range(n_trunk, model.args.num_layers), hidden=trunks, cache=eng.cache,
+                    rows=rows, kv_len=kv_len)
+        res = verify_greedy(drafted, out.logits)
+        if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
+            eng.store_deep_round(rows_t, pos0, trunks, out.final_hidden, res.num_accepted)
+        return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
     key = ("greedy-round", tuple((id(d), a, z) for d, a, z in groups),
            (rows.start, rows.stop) if const_rows is not None else "bucket", kv_len, gamma)
-    drafted, trunks = eng.graphs.run(key, draft_all, {"pending": pending, "pos0": pos0, "rows_t": rows_t})
-    q_pos = pos0[:, None] + torch.arange(gamma + 1, device=device)[None]  # (bucket, gamma + 1)
-    _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), trunks,
-                                                    rows if const_rows is not None else rows_t, kv_len)
-    res = verify_greedy(drafted[:b], target_logits[:b])
-    if any_deep:
-        deep_idx = [i for d, a, z in groups if d.feature_input == "deep" for i in range(a, min(z, b))]
-        sel = torch.tensor(deep_idx, device=device)
-        eng.store_deep_round(rows_t[sel], pos0[sel], trunks[sel], final_hidden[sel], res.num_accepted[sel])
-    acc = res.num_accepted.tolist()
-    fin = res.next_token.tolist()
-    all_drafted = drafted[:b].tolist()
+    (packed,) = eng.graphs.run(key, round_all, {"pending": pending, "pos0": pos0, "rows_t": rows_t})
+    packed = packed[:b].tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
     out: list = [None] * b
     for k, i in enumerate(perm):  # back to the caller's row order
-        out[i] = (all_drafted[k][: acc[k]] + [fin[k]], acc[k])
+        acc, fin, drafted = packed[k][0], packed[k][1], packed[k][2:]
+        out[i] = (drafted[:acc] + [fin], acc)
     return RoundResult([o[0] for o in out], [o[1] for o in out], [gamma] * b, [1] * b)

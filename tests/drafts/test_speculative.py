@@ -536,3 +536,26 @@ def test_replacing_a_draft_drops_its_graphs(target):
     assert not any(str(id(first)) in str(k) for k in eng.graphs.graphs)
     eng.remove_draft("code")
     assert not any("greedy-round" in k for k in eng.graphs.graphs)
+
+
+def test_graph_path_multi_step_plain_decoding_is_exact(target):
+    """Plain greedy rows decode 4 steps per graph; rows needing fewer tokens (or hitting max_new_tokens,
+    EOS or the context mid-graph) still end exactly where one-step decoding ends, and the graph count
+    does not grow with the number of tokens left."""
+    vocab = target.args.vocab_size
+    lengths, news = (5, 17, 2, 30), (7, 13, 2, 30)
+    prompts = prompts_for(vocab, lengths)
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=60, ar_steps_per_sync=4, cuda_graphs="emulate")
+    got = [r.token_ids for r in generate(eng, prompts, [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in news])]
+    expected = [ar_greedy(target, (n,), new)[0] for n, new in zip(lengths, news)]
+    assert got == expected
+    assert {k[1] for k in eng.graphs.graphs if k[0] == "ar-greedy"} == {4}
+    # The context limit: a 50-token prompt in a 60-token engine stops at 9 new tokens, as without graphs.
+    long = prompts_for(vocab, (50,))
+    plain = DecodeEngine(target, None, max_batch_size=1, max_seq_len=60)
+    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    assert generate(eng, long, params)[0].token_ids == generate(plain, long, params)[0].token_ids
+    # EOS inside a graph's 4 steps: the row ends at the EOS, like one-step decoding.
+    eos = expected[1][5]
+    with_eos = SamplingParams(max_new_tokens=30, eos_token_ids=(eos,))
+    assert generate(eng, [prompts[1]], with_eos)[0].token_ids == generate(plain, [prompts[1]], with_eos)[0].token_ids

@@ -91,32 +91,33 @@ def test_a_draft_that_does_not_pay_at_batch_1_is_off_at_larger_unmeasured_batche
     assert gov.keep_speculating("code", 4)
 
 
-def test_steps_that_capture_a_graph_are_not_cost_samples(tiny):
-    """A step that captured a CUDA graph also paid for the capture: it must not price plain decoding."""
+def test_steps_that_capture_a_graph_or_compile_are_not_cost_samples(tiny, monkeypatch):
+    """A step that captured a CUDA graph (or compiled a kernel) also paid for that: it must not price plain decoding."""
+    import engine.scheduler as scheduler
     from engine.cuda_graphs import GraphCache
     from engine.generate import generate
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
 
-    class CountingGraphs(GraphCache):
-        """Runs eagerly (CPU) but counts a new "graph" for every new key, like a capture would."""
-
-        def run(self, key, fn, inputs):
-            self.graphs.setdefault(key + tuple(tuple(v.shape) for v in inputs.values()), None)
-            return fn(**inputs)
-
     target = tiny.tiny_vocab_target(vocab_size=16)
     gov = SpeculationGovernor(min_samples=1)
-    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov, ar_steps_per_sync=1)
-    eng.graphs = CountingGraphs(enabled=True)
+    # The graph path's keys and captures, run eagerly on the CPU.
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov, ar_steps_per_sync=1,
+                       cuda_graphs="emulate")
     samples = []
     gov.observe_ar = lambda rows, seconds, tokens: samples.append(tokens)
     generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
     # Prefill + 5 steps at one KV bucket: the first decode step captures, the other 4 are samples.
-    assert samples == [1, 1, 1, 1]
+    assert samples == [1, 1, 1, 1] and eng.graphs.captures == 1
     eng.graphs, samples[:] = GraphCache(enabled=False), []  # nothing captured: every plain step is a sample
     generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
     assert len(samples) == 5
+    # A step during which a fused kernel compiled a new shape is left out too.
+    compiles = iter([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1])
+    monkeypatch.setattr(scheduler, "compile_events", lambda: next(compiles))
+    samples[:] = []
+    generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
+    assert len(samples) == 4
 
 
 def test_requests_admitted_together_are_priced_at_the_batch_they_will_run_in(tiny):
