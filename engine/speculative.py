@@ -57,6 +57,11 @@ class SpecConfig:
     num_speculative_tokens: int = 5  # gamma
     block_size: int = 2  # verify as soon as this many tokens are drafted; == gamma: one verify per round
     draft_kv_window: int | None = None  # adapters attend only the last W positions (ring-buffer cache)
+    # Stop drafting a round early once, for every row, the draft gives its next token less than this
+    # probability (softmax of its logits); the round then verifies what it has. 0 = always draft gamma.
+    # Which tokens are drafted never changes what is accepted (lossless either way); it saves the draft
+    # steps (and verify width) that would mostly be rejected. The one-graph GPU round ignores it.
+    draft_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -65,6 +70,8 @@ class SpecConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.draft_kv_window is not None and self.draft_kv_window < 1:
             raise ValueError(f"draft_kv_window must be >= 1 or unset, got {self.draft_kv_window}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
     def blocks(self) -> list[int]:
         gamma, k = self.num_speculative_tokens, min(self.block_size, self.num_speculative_tokens)
@@ -163,9 +170,15 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     carry_probs = None  # target distribution carried from the previous block (checks its first token)
     n_done = 0
     blocks = cfg.blocks()
+    stopped = False  # drafting ended early (cfg.draft_confidence): this block is the round's last
     for block_no, block_len in enumerate(blocks):
         block_tokens, block_probs = [], []
         for j in range(block_len):
+            if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
+                confident = torch.softmax(draft_logits.float(), dim=-1).amax(-1) >= cfg.draft_confidence
+                if not bool((confident & ~done).any()):
+                    stopped = True  # no live row trusts its next token: verify the j drafted so far
+                    break
             if greedy:
                 token = draft_logits.argmax(-1)
                 probs = None
@@ -178,6 +191,12 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             last_of_round = block_no == len(blocks) - 1 and j == block_len - 1
             trunk, draft_logits = draft_step(token, pos0 + n_done + j + 1, first=False, with_head=not last_of_round)
             queued.append(trunk)
+        if stopped and not block_tokens:
+            # Stopped between blocks: rows that accepted everything so far take the bonus token from the
+            # target distribution the last verify pass already gave for the next position.
+            bonus = carry_probs[:, 0].argmax(-1) if greedy else sample(carry_probs[:, 0], gens)
+            final_token = torch.where(done, final_token, bonus)
+            break
         # Verify: the deep layers on every queued trunk state, starting where the trunk left off.
         q_hidden = torch.cat(queued, dim=1)  # (b, n_in, H); block 0: [t0, d1..dk], later: the block's k
         n_in = q_hidden.shape[1]
@@ -188,6 +207,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         q_start += n_in
         verify_trunk.append(q_hidden)
         verify_final.append(final_hidden)
+        block_len = len(block_tokens)
         block = torch.stack(block_tokens, dim=1)  # (b, k)
         if greedy:
             if carry_probs is not None:
@@ -204,7 +224,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         passes += live.long()
         drafted += live.long() * block_len
         rejected = live & (res.num_accepted < block_len)
-        last_block = block_no == len(blocks) - 1
+        last_block = block_no == len(blocks) - 1 or stopped
         finishing = live if last_block else rejected
         num_accepted += torch.where(live, res.num_accepted, torch.zeros_like(res.num_accepted))
         final_token = torch.where(finishing, res.next_token, final_token)

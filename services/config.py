@@ -35,6 +35,15 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     num_speculative_tokens: int = Field(5, ge=1, le=16, description="Draft tokens per FlashSpec round (gamma).")
     block_size: int = Field(5, ge=1, le=16, description="Drafted tokens verified together (= gamma: one verify pass per round, measured fastest on CPU and GPU; 2 is the write-up's block-wise schedule).")
+    draft_confidence: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Stop drafting a round early once no running request's draft gives its next "
+                                         "token this probability (0: always draft num_speculative_tokens). Lossless "
+                                         "either way; saves draft steps that would mostly be rejected. CUDA's one-graph "
+                                         "greedy rounds always draft them all.")
+    fused_inference: bool = Field(
+        False, description="Fuse the target's and the drafts' layers for inference (one GEMM for q/k/v and for gate/up; "
+                           "on CUDA also compiled RMSNorm/RoPE/SiLU): 1.4-2x faster plain decoding on the H200. "
+                           "Compiles at replica start. On the CPU it replaces the packed projections: leave it off there.")
     governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
     graph_warmup_tokens: int = Field(
         256, ge=0, description="With CUDA graphs: at replica start, capture the decode/draft/verify graphs of every "

@@ -81,8 +81,11 @@ class GeneratorCore:
         try:
             loaded = load_model(self.args.model, device=self.args.device, dtype=self.args.dtype,
                                 max_seq_len=self.args.max_seq_len)
+            if self.args.fused_inference:  # before the engine: its CUDA graphs point at the fused weights
+                loaded.model.fuse_for_inference()
             spec = SpecConfig(num_speculative_tokens=self.args.num_speculative_tokens,
-                              block_size=min(self.args.block_size, self.args.num_speculative_tokens))
+                              block_size=min(self.args.block_size, self.args.num_speculative_tokens),
+                              draft_confidence=self.args.draft_confidence)
             engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
                                   max_seq_len=self.args.max_seq_len, spec=spec,
                                   governor=SpeculationGovernor(enabled=self.args.governor))
@@ -140,6 +143,11 @@ class GeneratorCore:
         with self._swap:
             try:
                 draft = load_checked(self.factory, self.target, domain, version)
+                if self.args.fused_inference:
+                    from engine.fused import fuse_for_inference
+
+                    draft.requires_grad_(False)  # trainable weights with grad on would keep the unfused path
+                    fuse_for_inference(draft)  # its own adapter layers; its trunk is the (fused) target's
                 self.loop.call(lambda eng: eng.add_draft(domain, draft)).result(timeout=120)
             except DraftRefused as exc:
                 self.refusals[domain] = str(exc)

@@ -559,3 +559,38 @@ def test_graph_path_multi_step_plain_decoding_is_exact(target):
     eos = expected[1][5]
     with_eos = SamplingParams(max_new_tokens=30, eos_token_ids=(eos,))
     assert generate(eng, [prompts[1]], with_eos)[0].token_ids == generate(plain, [prompts[1]], with_eos)[0].token_ids
+
+
+@pytest.mark.parametrize("gamma, block", [(5, 5), (5, 2), (3, 1)])
+def test_early_stop_on_low_draft_confidence_is_lossless_and_drafts_less(target, gamma, block):
+    """draft_confidence ends a round's drafting once no row trusts its next token: same output, fewer drafts."""
+    drafts = [noisy(oracle(target), 0.5), random_draft(target), oracle(target, deep=True), noisy(oracle(target), 0.3)]
+    full = spec_generate(target, drafts, SpecConfig(gamma, block))
+    early = spec_generate(target, drafts, SpecConfig(gamma, block, draft_confidence=0.5))
+    expected = ar_greedy(target)
+    assert [r.token_ids for r in full] == expected and [r.token_ids for r in early] == expected
+    assert sum(r.stats.drafted for r in early) < sum(r.stats.drafted for r in full)
+    # Sampled rows stay reproducible with the same seed and keep their length.
+    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=0.9, seed=i) for i in range(len(LENGTHS))]
+    a = spec_generate(target, drafts, SpecConfig(gamma, block, draft_confidence=0.5), params=params)
+    b = spec_generate(target, drafts, SpecConfig(gamma, block, draft_confidence=0.5), params=params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b] and all(len(r.token_ids) == NEW for r in a)
+
+
+def test_draft_confidence_is_validated():
+    with pytest.raises(ValueError, match="draft_confidence"):
+        SpecConfig(5, 5, draft_confidence=1.0)
+
+
+@pytest.mark.parametrize("block", [1, 2], ids=["stop-between-blocks", "stop-inside-a-block"])
+def test_sampling_with_early_stop_is_lossless(small, block):
+    """draft_confidence 0.99 stops every round after its first drafted token: between blocks (block 1:
+    the bonus token comes from the carried target distribution) or inside one (block 2: a truncated
+    block is verified as the round's last). The output distribution stays the target's."""
+    model, draft = small
+    n = 20000
+    tokens = sampled_tokens(model, draft, 1.0, 1.0, n, spec=SpecConfig(3, block, draft_confidence=0.99))
+    per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint
