@@ -224,23 +224,28 @@ class DecodeEngine:
                    {o.request_id for o in admitted if o.finished}]
         ar_rows = [s for s in running if s.draft is None]
         spec_rows = [s for s in running if s.draft is not None]
-        # A step that captured a CUDA graph or compiled a kernel took that time too: not a cost sample.
+        # The governor prices the whole step, per token of every running row: plain rows wait for the
+        # speculative round of the same step, so a round that is cheap for its own rows can still slow
+        # the batch down. A step that captured a CUDA graph or compiled a kernel is not a cost sample.
+        t0, cold, tokens = time.perf_counter(), self._cold_events(), 0
         if ar_rows:
-            t0, cold = time.perf_counter(), self._cold_events()
             new = self._ar_step(ar_rows)
-            if self._cold_events() == cold:
-                self.governor.observe_ar(len(ar_rows), time.perf_counter() - t0, sum(len(t) for t in new))
+            tokens += sum(len(t) for t in new)
+        if spec_rows:
+            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
+            tokens += sum(len(t) for t in result.tokens)
+        if running and self._cold_events() == cold:
+            elapsed = time.perf_counter() - t0
+            if spec_rows:
+                for name in {s.request.draft for s in spec_rows}:
+                    self.governor.observe_spec(name or "", len(running), elapsed, tokens)
+            else:
+                self.governor.observe_ar(len(running), elapsed, tokens)
+        if ar_rows:
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
         if spec_rows:
-            t0, cold = time.perf_counter(), self._cold_events()
-            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
-            elapsed = time.perf_counter() - t0
-            tokens = sum(len(t) for t in result.tokens)
-            if self._cold_events() == cold:
-                for name in {s.request.draft for s in spec_rows}:
-                    self.governor.observe_spec(name or "", len(spec_rows), elapsed, tokens)
             for i, s in enumerate(spec_rows):
                 s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
                 s.length += result.num_accepted[i] + 1

@@ -1,6 +1,7 @@
 """The speculation governor: speculation stays on only while it pays, measured per batch-size bucket."""
 
 from engine.governor import SpeculationGovernor, batch_bucket
+from engine.speculative import SpecConfig
 
 
 def feed(gov, draft, ar_cost, spec_cost, rows=1, n=8):
@@ -144,3 +145,37 @@ def test_requests_admitted_together_are_priced_at_the_batch_they_will_run_in(tin
     eng2.add_request(Request("alone", [1, 2, 3], SamplingParams(max_new_tokens=4, eos_token_ids=()), "d"))
     eng2.step()
     assert eng2.slots[0] is not None and eng2.slots[0].draft is draft  # alone, it pays: speculates
+
+
+def test_a_step_is_priced_whole_for_every_running_row(tiny):
+    """Plain rows wait for the speculative round of their step: the governor sees the whole step's time
+    and every row's tokens at the batch size of all running rows, not the speculative rows alone."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.requests import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp"))
+    gov = SpeculationGovernor(enabled=False)  # records, never switches anything off
+    seen = {"ar": [], "spec": []}
+    gov.observe_ar = lambda rows, seconds, tokens: seen["ar"].append((rows, tokens))
+    gov.observe_spec = lambda name, rows, seconds, tokens: seen["spec"].append((name, rows, tokens))
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov, spec=SpecConfig(3, 3))
+    eng.add_draft("d", draft)
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=())
+    for i, name in enumerate(["d", None, None]):
+        eng.add_request(Request(f"r{i}", [1, 2, 3 + i], params, name))
+    eng.step()  # prefill only: nothing to price yet beyond the first decode step
+    seen["ar"].clear(), seen["spec"].clear()
+    outs = eng.step()
+    assert seen["ar"] == [] and len(seen["spec"]) == 1
+    name, rows, tokens = seen["spec"][0]
+    assert (name, rows) == ("d", 3) and tokens == sum(len(o.token_ids) for o in outs)
+    eng2 = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov)
+    for i in range(2):
+        eng2.add_request(Request(f"p{i}", [1, 2, 3 + i], params))
+    eng2.step(), seen["ar"].clear()
+    eng2.step()
+    assert seen["ar"] == [(2, 2)]
