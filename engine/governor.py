@@ -6,7 +6,8 @@ plain decoding and for each draft, per batch-size bucket (a batched plain step i
 token than a single one, so only like is compared with like), and speculation for a draft stays on
 only while its cost per token is at most plain decoding's:
 - a new request for a draft that does not pay decodes plainly (every `probe_every`-th one still
-  speculates, so the estimate follows the traffic);
+  speculates, and so does the first one after `probe_seconds` without a round of that draft, so the
+  estimate follows the traffic, also when requests are few);
 - a running request whose draft stops paying drops to plain decoding for the rest of its tokens
   (always safe: the target cache is complete);
 - while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 
 @dataclasses.dataclass
@@ -39,13 +41,19 @@ def batch_bucket(rows: int) -> int:
 
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.2, min_samples: int = 4, probe_every: int = 64,
-                 tolerance: float = 1.0) -> None:
-        """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost."""
+                 tolerance: float = 1.0, probe_seconds: float = 10.0, clock=time.monotonic) -> None:
+        """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost.
+        probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
+        admission, and on the first admission after probe_seconds without a speculative round of it
+        (so its estimate follows the traffic when requests are few)."""
         self.enabled = enabled
         self.alpha = alpha
         self.min_samples = min_samples
         self.probe_every = probe_every
+        self.probe_seconds = probe_seconds
         self.tolerance = tolerance
+        self._clock = clock
+        self._last_spec: dict[str, float] = {}
         self._buckets = [2**i for i in range(16)]
         self._ar: dict[int, _Ema] = {}
         self._spec: dict[tuple[str, int], _Ema] = {}
@@ -61,6 +69,7 @@ class SpeculationGovernor:
         if tokens:
             with self._lock:
                 self._spec.setdefault((draft, batch_bucket(rows)), _Ema()).update(seconds / tokens, self.alpha)
+                self._last_spec[draft] = self._clock()
 
     def _cost(self, table: dict, key, bucket: int) -> float | None:
         """Seconds per token at this bucket; an unmeasured bucket is estimated from the largest measured
@@ -92,7 +101,10 @@ class SpeculationGovernor:
             n = self._admissions.get(draft, 0) + 1
             self._admissions[draft] = n
             pays = self._pays(draft, rows)
-            probe = n % self.probe_every == 0
+            stale = draft in self._last_spec and self._clock() - self._last_spec[draft] > self.probe_seconds
+            probe = n % self.probe_every == 0 or stale
+            if stale:
+                self._last_spec[draft] = self._clock()  # one probe per period, not every admission until it runs
             if pays is None:
                 missing_ar = self._cost(self._ar, lambda b: b, batch_bucket(rows)) is None
                 return not (missing_ar and probe)  # measure plain decoding now and then

@@ -28,6 +28,20 @@ def test_slow_draft_is_turned_off_except_probes():
     assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
 
 
+def test_a_draft_off_for_a_while_is_probed_again_and_can_come_back():
+    """With few requests, count-based probes come rarely: after probe_seconds without a round of a draft,
+    the next request for it speculates once, and good rounds bring the draft back."""
+    now = [0.0]
+    gov = SpeculationGovernor(probe_every=1000, probe_seconds=10.0, clock=lambda: now[0])
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.020)  # a bad start: off
+    assert [gov.allow("code") for _ in range(3)] == [False, False, False]
+    now[0] = 11.0
+    assert [gov.allow("code") for _ in range(3)] == [True, False, False]  # one probe per period
+    for _ in range(16):
+        gov.observe_spec("code", 1, 0.005 * 3, 3)  # the probe's rounds: 5 ms a token against 10
+    assert gov.keep_speculating("code", 1) and gov.allow("code")
+
+
 def test_paying_draft_stays_on_and_buckets_are_separate():
     gov = SpeculationGovernor()
     feed(gov, "code", ar_cost=0.010, spec_cost=0.005, rows=1)
