@@ -41,7 +41,7 @@ def batch_bucket(rows: int) -> int:
 
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.2, min_samples: int = 4, probe_every: int = 64,
-                 tolerance: float = 1.0, probe_seconds: float = 10.0, clock=time.monotonic) -> None:
+                 tolerance: float = 1.0, probe_seconds: float = 30.0, clock=time.monotonic) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost.
         probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
         admission, and on the first admission after probe_seconds without a speculative round of it
