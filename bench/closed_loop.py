@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,8 +97,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     loaded = load_model("default", device=args.device)
-    from pathlib import Path
-
     drafts = {}
     for d in DOMAINS:
         versions = sorted(p for p in (Path(args.drafts) / d).iterdir() if (p / "manifest.json").exists())
