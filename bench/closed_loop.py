@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
 from bench.ar import setup_line
-
-DOMAINS = ("code", "general", "dialog")
 
 
 def run_mode(loaded, drafts: dict, prompts: list, mode: str, clients: int, seconds: float, max_tokens: int,
@@ -81,6 +78,7 @@ def run_mode(loaded, drafts: dict, prompts: list, mode: str, clients: int, secon
 def main(argv: list[str] | None = None) -> list[dict]:
     from bench.serve import PROMPTS
     from drafts.checkpoint import load_draft
+    from drafts.store import DOMAINS, resolve_draft
     from engine.loading import load_model
     from services.prompts import chat_prompt_ids
 
@@ -90,24 +88,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,governor", help="comma list of off, governor, always")
     parser.add_argument("--draft-confidence", type=float, default=0.4, help="SpecConfig.draft_confidence")
-    parser.add_argument("--drafts", default="drafts/demo", help="folder with <domain>/<version>/ drafts")
+    parser.add_argument("--store", default=None,
+                        help="draft store (default $FLASHSPEC_HOME/store); each domain's active draft, else the shipped one")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the service's Generator uses 1 here)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     loaded = load_model("default", device=args.device)
-    drafts = {}
-    for d in DOMAINS:
-        versions = sorted(p for p in (Path(args.drafts) / d).iterdir() if (p / "manifest.json").exists())
-        drafts[d] = load_draft(versions[-1], loaded.model, name=d)
+    folders = {d: resolve_draft(d, args.store) for d in DOMAINS}  # what the service would serve
+    missing = [d for d, f in folders.items() if f is None]
+    if missing:
+        raise SystemExit(f"error: no active draft for {', '.join(missing)}; train one: "
+                         f"python -m training.cli train-draft --domain {missing[0]}")
+    drafts = {d: load_draft(f, loaded.model, name=d) for d, f in folders.items()}
     prompts = [(dom, chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": text}])) for dom, text in PROMPTS]
     rows = [run_mode(loaded, drafts, prompts, m, args.clients, args.seconds, args.max_tokens, args.draft_confidence)
             for m in args.modes.split(",")]
     base = next((r["tps"] for r in rows if r["mode"] == "off"), None)
     print(f"setup: {setup_line(args.device, args.threads)}; SmolLM2-135M-Instruct; engine closed loop, {args.clients} "
           f"clients, {args.seconds:g} s per mode, greedy, max_tokens {args.max_tokens}, gamma 5, block 5, "
-          f"draft_confidence {args.draft_confidence:g}, drafts {args.drafts}")
+          f"draft_confidence {args.draft_confidence:g}, drafts "
+          + ", ".join(f"{d}={f.parent.name}/{f.name}" for d, f in folders.items()))
     print("| mode | tokens/s | vs off | speculative rounds | requests |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:

@@ -324,7 +324,6 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     target.fuse_for_inference(compile=compile)
     drafts = best or seed
     for draft in {id(d): d for d in drafts.values()}.values():
-        draft.requires_grad_(False)  # trainable weights with grad enabled would keep the unfused path
         fuse_for_inference(draft, compile=compile)  # the draft's own adapter layers (its trunk is the target's)
     after = step_profile(target)
     mode = target.fused  # "hand" when compiling failed and the kernels fell back to eager

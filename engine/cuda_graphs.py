@@ -53,28 +53,29 @@ class GraphCache:
         self.enabled = enabled
         self.capture = capture
         self.graphs: dict[tuple, CapturedStep] = {}
+        self.owners: dict[tuple, tuple] = {}  # graph key -> ids of the drafts it runs
         self.captures = 0  # graphs captured so far (len() drops when `discard` removes some)
 
-    def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor]) -> tuple:
+    def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], owners: tuple = ()) -> tuple:
+        """Replay the graph of (key, input shapes), capturing it first. `owners`: ids of the drafts whose
+        weights the graph reads; `discard(owner)` drops it when that draft is replaced."""
         if not self.enabled:
             return fn(**inputs)
-        full_key = key + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
+        full_key = key + owners + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
         step = self.graphs.get(full_key)
         if step is None:
             step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture)
+            self.owners[full_key] = owners
             self.captures += 1
             # The capture's warm-up already did this call's work; replaying once more is harmless
             # (same inputs, same cache writes) and gives the outputs from the graph's buffers.
         return step(inputs)
 
-    def discard(self, token: object) -> int:
-        """Drop every graph whose key mentions `token` at any depth (e.g. a replaced draft's id)."""
-        def mentions(key) -> bool:
-            return any(k == token or (isinstance(k, tuple) and mentions(k)) for k in key)
-
-        stale = [k for k in self.graphs if mentions(k)]
+    def discard(self, owner: int) -> int:
+        """Drop every graph that runs the draft with this id (it was replaced or removed)."""
+        stale = [k for k, owners in self.owners.items() if owner in owners]
         for k in stale:
-            del self.graphs[k]
+            del self.graphs[k], self.owners[k]
         return len(stale)
 
     def __len__(self) -> int:

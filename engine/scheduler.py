@@ -187,7 +187,7 @@ class DecodeEngine:
             return 0
         if self.has_work():
             raise RuntimeError("warmup runs before the engine takes requests")
-        before = len(self.graphs)
+        before = self.graphs.captures
         prompt_len = max(1, min(prompt_len, max_len - 1, self.max_seq_len - 2))
         params = SamplingParams(max_new_tokens=max(1, min(max_len, self.max_seq_len - 1) - prompt_len), eos_token_ids=())
         vocab = self.model.args.vocab_size
@@ -206,7 +206,7 @@ class DecodeEngine:
             self.governor = governor
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
-        return len(self.graphs) - before
+        return self.graphs.captures - before
 
     @property
     def num_running(self) -> int:
@@ -216,6 +216,7 @@ class DecodeEngine:
         return bool(self.waiting) or self.num_running > 0
 
     # ----- the step -----------------------------------------------------------------------
+    @torch.no_grad()  # decoding never needs autograd, whatever the weights' requires_grad (a draft in training)
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         admitted = self._admit()
@@ -403,9 +404,8 @@ class DecodeEngine:
         overwritten later, as a rejected draft's does. So the graph is keyed by batch and KV bucket only."""
         kv_len = self.kv_bucket(kv_len)
         model, cache, layers = self.model, self.cache, range(self.model.args.num_layers)
-        rows_key, const_rows, inputs, n = self._graph_rows(rows, {"tokens": tokens, "input_pos": pos})
 
-        def fn(tokens, input_pos, rows=const_rows):
+        def fn(tokens, input_pos, rows=rows):
             new = []
             for _ in range(steps):
                 logits = model(tokens, input_pos, layers=layers, cache=cache, rows=rows, kv_len=kv_len).logits
@@ -414,8 +414,8 @@ class DecodeEngine:
                 input_pos = input_pos + 1
             return (torch.cat(new, dim=1),)
 
-        (new,) = self.graphs.run(("ar-greedy", steps, *rows_key, kv_len), fn, inputs)
-        return new[:n].tolist()
+        (new,) = self.run_graph(("ar-greedy", steps, kv_len), fn, rows, {"tokens": tokens, "input_pos": pos})
+        return new.tolist()
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
     def kv_bucket(self, kv_len: int) -> int:
@@ -435,41 +435,41 @@ class DecodeEngine:
             return rows
         return torch.cat([rows, torch.full((pad,), self.scratch_row, dtype=rows.dtype, device=rows.device)])
 
-    def _graph_rows(self, rows, inputs: dict) -> tuple[tuple, object, dict, int]:
-        """Key part, rows to use inside the graph, (padded) inputs and the real row count.
+    def run_graph(self, key: tuple, fn, rows, inputs: dict, owners: tuple = ()) -> tuple:
+        """fn(**inputs, rows=...) as a CUDA graph for these cache rows; outputs cut back to the real rows.
 
-        Rows 0..n-1 with n a bucket size are a constant slice of the graph (views, no gather); any other
-        rows become a padded graph input, so their graph depends only on the bucket, not on which rows
-        they are (a bounded set of graphs that `warmup` can capture ahead of traffic)."""
+        Rows 0..n-1 with n a bucket size stay the constant slice `fn` was given (views, no gather). Any
+        other rows run padded to the next bucket (inputs padded with zeros), with the rows as a graph
+        input whose padding points at the scratch row: their graph depends only on the bucket, not on
+        which rows they are (a bounded set of graphs that `warmup` can capture ahead of traffic).
+        `owners`: ids of the drafts the graph runs (`GraphCache.discard` drops it with them).
+        """
         if isinstance(rows, slice):
             n = rows.stop - rows.start
             if rows.start == 0 and n == self.batch_bucket(n):
-                return ("rows", n), rows, inputs, n
+                return self.graphs.run(key + ("rows", n), fn, inputs, owners)
             rows = torch.arange(rows.start, rows.stop, device=self.device)
         n = len(rows)
         padded = self.padded_rows(rows)
         pad = len(padded) - n
-        out = {k: (torch.cat([v, v.new_zeros((pad, *v.shape[1:]))]) if pad else v) for k, v in inputs.items()}
-        out["rows"] = padded
-        return ("bucket",), None, out, n
+        inputs = {k: (torch.cat([v, v.new_zeros((pad, *v.shape[1:]))]) if pad else v) for k, v in inputs.items()}
+        outs = self.graphs.run(key + ("bucket",), fn, {**inputs, "rows": padded}, owners)
+        return tuple(o[:n] if o is not None else None for o in outs)
 
     def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int):
         """Target layers `layers` on tokens (b, T) or hidden (b, T, H) -> (hidden, final_hidden, logits)."""
         kv_len = self.kv_bucket(kv_len)
-        if self.graphs.enabled:
-            model, cache = self.model, self.cache
-            inputs = {"input_pos": input_pos}
-            inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
-            rows_key, const_rows, inputs, n = self._graph_rows(rows, inputs)
-            key = ("target", layers.start, layers.stop, *rows_key, kv_len)
+        model, cache = self.model, self.cache
 
-            def fn(input_pos, tokens=None, hidden=None, rows=const_rows):
-                out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len)
-                return out.hidden, out.final_hidden, out.logits
+        def fn(input_pos, tokens=None, hidden=None, rows=rows):
+            out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len)
+            return out.hidden, out.final_hidden, out.logits
 
-            return tuple(o[:n] if o is not None else None for o in self.graphs.run(key, fn, inputs))
-        out = self.model(tokens, input_pos, layers=layers, hidden=hidden, cache=self.cache, rows=rows, kv_len=kv_len)
-        return out.hidden, out.final_hidden, out.logits
+        inputs = {"input_pos": input_pos}
+        inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
+        if not self.graphs.enabled:
+            return fn(**inputs)
+        return self.run_graph(("target", layers.start, layers.stop, kv_len), fn, rows, inputs)
 
     def run_draft(self, draft, trunk_hidden, features, input_pos, rows, kv_len: int, pick=None, with_head: bool = True):
         """Adapters (+ head) of one draft -> (out (g, H), logits (g, V) or None, proxy feature (g, H) or None).
@@ -479,9 +479,8 @@ class DecodeEngine:
         """
         kv_len = self.draft_kv_len(self.kv_bucket(kv_len))
         model, cache = self.model, self.draft_cache
-        const_rows = rows
 
-        def fn(trunk_hidden, input_pos, features=None, pick=None, rows=const_rows):
+        def fn(trunk_hidden, input_pos, features=None, pick=None, rows=rows):
             ctx = model.context(input_pos, cache, rows, kv_len)
             out = draft.adapters_forward(trunk_hidden, features, ctx)  # (g, T, H)
             if pick is None:
@@ -498,11 +497,9 @@ class DecodeEngine:
             inputs["features"] = features
         if pick is not None:
             inputs["pick"] = pick
-        if self.graphs.enabled:
-            rows_key, const_rows, inputs, n = self._graph_rows(rows, inputs)
-            key = ("draft", id(draft), *rows_key, kv_len, with_head)
-            return tuple(o[:n] if o is not None else None for o in self.graphs.run(key, fn, inputs))
-        return fn(**inputs)
+        if not self.graphs.enabled:
+            return fn(**inputs)
+        return self.run_graph(("draft", kv_len, with_head), fn, rows, inputs, owners=(id(draft),))
 
     # ----- deep-feature bookkeeping (used by spec_round) -----------------------------------
     def deep_window(self, rows: torch.Tensor, trunk_t0: torch.Tensor, pos0: torch.Tensor):

@@ -175,7 +175,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         block_tokens, block_probs = [], []
         for j in range(block_len):
             if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
-                confident = torch.softmax(draft_logits.float(), dim=-1).amax(-1) >= cfg.draft_confidence
+                logits = draft_logits.float()  # top probability = exp(max - logsumexp): no softmax tensor
+                confident = (logits.amax(-1) - logits.logsumexp(-1)).exp() >= cfg.draft_confidence
                 if not bool((confident & ~done).any()):
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break
@@ -253,9 +254,9 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
 
     The whole round (gamma + 1 trunk steps, every draft's adapters and head, argmax, the verify pass,
     the accepted prefix, the deep features for the next round) is one CUDA graph: the host sees only
-    the round's result, in one transfer. Rows are ordered
-    by draft, so each draft runs on one contiguous part of the batch; scattered cache rows run padded
-    to a batch-size bucket with the rows as a graph input. Same tokens as the general loop.
+    the round's result, in one transfer. Rows are ordered by draft, so each draft runs on one
+    contiguous part of the batch; scattered cache rows run padded to a batch-size bucket with the rows
+    as a graph input (`DecodeEngine.run_graph`). Same tokens as the general loop.
 
     A batch of one draft always comes here. A batch mixing drafts comes here only with
     `DecodeEngine(mixed_round_graph=True)`: its graph depends on how many rows each draft has, so a
@@ -282,22 +283,14 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
     draft_kv = eng.draft_kv_len(kv_len)
 
     rows = row_index([s.slot for s in slots], device)
-    rows_t = torch.tensor([s.slot for s in slots], device=device)
     pos0 = torch.tensor([s.length for s in slots], device=device)
     pending = torch.tensor([s.pending for s in slots], device=device)
-    if isinstance(rows, slice) and rows.start == 0 and b == eng.batch_bucket(b):
-        const_rows, bucket = rows, b
-    else:  # any other rows: padded to a bucket, the padding rows join the last group
-        const_rows, bucket = None, eng.batch_bucket(b)
-        rows_t = eng.padded_rows(rows_t)
-        pad = bucket - b
-        pos0 = torch.cat([pos0, pos0.new_zeros(pad)])
-        pending = torch.cat([pending, pending.new_zeros(pad)])
-        last, g0, _ = groups[-1]
-        groups[-1] = (last, g0, bucket)
+    last, g0, _ = groups[-1]
+    groups[-1] = (last, g0, eng.batch_bucket(b))  # rows padded to the bucket (if any) join the last group
 
-    def round_all(pending, pos0, rows_t):
-        rows = const_rows if const_rows is not None else rows_t
+    def round_all(pending, pos0, rows=rows):
+        # Cache rows: the constant slice 0..b-1 or the (padded) rows input; as a tensor for the deep buffers.
+        rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=pos0.device)
         tokens, trunks, drafted = pending, [], []
         proxies: list = [None] * len(groups)
         ar = torch.arange(pending.shape[0], device=pending.device)
@@ -311,9 +304,9 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
             next_tokens = []
             for g, (draft, a, z) in enumerate(groups):
                 deep = draft.feature_input == "deep"
-                g_rows = slice(rows.start + a, rows.start + z) if isinstance(rows, slice) else rows[a:z]
                 if j == gamma and deep:
                     continue
+                g_rows = rows_t[a:z] if isinstance(rows, torch.Tensor) else slice(a, z)
                 if deep and j == 0:
                     window, feats, index, win_pos = eng.deep_window(rows_t[a:z], trunk[a:z, 0], pos0[a:z])
                     ctx = model.context(win_pos, eng.draft_cache, g_rows, draft_kv)
@@ -341,10 +334,10 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
             eng.store_deep_round(rows_t, pos0, trunks, out.final_hidden, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    key = ("greedy-round", tuple((id(d), a, z) for d, a, z in groups),
-           (rows.start, rows.stop) if const_rows is not None else "bucket", kv_len, gamma)
-    (packed,) = eng.graphs.run(key, round_all, {"pending": pending, "pos0": pos0, "rows_t": rows_t})
-    packed = packed[:b].tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
+    key = ("greedy-round", tuple((a, z) for _, a, z in groups), kv_len, gamma)
+    (packed,) = eng.run_graph(key, round_all, rows, {"pending": pending, "pos0": pos0},
+                              owners=tuple(id(d) for d, _, _ in groups))
+    packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
     out: list = [None] * b
     for k, i in enumerate(perm):  # back to the caller's row order
         acc, fin, drafted = packed[k][0], packed[k][1], packed[k][2:]

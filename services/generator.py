@@ -146,7 +146,6 @@ class GeneratorCore:
                 if self.args.fused_inference:
                     from engine.fused import fuse_for_inference
 
-                    draft.requires_grad_(False)  # trainable weights with grad on would keep the unfused path
                     fuse_for_inference(draft)  # its own adapter layers; its trunk is the (fused) target's
                 self.loop.call(lambda eng: eng.add_draft(domain, draft)).result(timeout=120)
             except DraftRefused as exc:
