@@ -252,6 +252,9 @@ def train_draft(
     head_vocab: Annotated[int, typer.Option(help="Sub-vocabulary size K (0: full vocabulary).")] = 8192,
     self_distill: Annotated[int, typer.Option(help="Generate the target's replies to this many training prompts first (0: off).")] = 0,
     self_distill_tokens: Annotated[int, typer.Option(help="Max tokens per self-distilled reply.")] = 128,
+    self_distill_sampled: Annotated[int, typer.Option(
+        help="With --self-distill: this many extra sampled replies per prompt (seeded).")] = 0,
+    sample_temperature: Annotated[float, typer.Option(help="Temperature of the sampled replies.")] = 0.8,
     max_rows: Annotated[Optional[int], typer.Option(help="Use at most this many training rows.")] = None,
     eval_prompts: Annotated[int, typer.Option(help="Held-out prompts for the acceptance evaluation.")] = 16,
     eval_tokens: Annotated[int, typer.Option(help="Tokens generated per evaluation prompt.")] = 64,
@@ -284,6 +287,7 @@ def train_draft(
         )
         run_pipeline(cfg, target=target, store=store, data_dir=data_dir, dataset=dataset, text_field=text_field,
                      messages_field=messages_field, self_distill=self_distill, self_distill_tokens=self_distill_tokens,
+                     self_distill_sampled=self_distill_sampled, sample_temperature=sample_temperature,
                      max_rows=max_rows, eval_prompts=eval_prompts, eval_tokens=eval_tokens, version=version,
                      tolerance=tolerance, activate=activate, echo=typer.echo)
     except _errors() as exc:

@@ -74,6 +74,9 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     t0 = time.perf_counter()
     replies = self_distill(model, tok, domain_name, rows, args.self_distill,
                            max_new_tokens=args.reply_tokens, batch_size=args.gen_batch, progress=False)
+    sampled = [self_distill(model, tok, domain_name, rows, args.self_distill, max_new_tokens=args.reply_tokens,
+                            batch_size=args.gen_batch, progress=False, seed=1 + i, temperature=args.sample_temperature)
+               for i in range(args.sampled_replies)]
     t_gen = time.perf_counter() - t0
     max_seconds = args.max_seconds
     if args.total_seconds:  # what is left of the whole run's budget, less a reserve for evaluation and saving
@@ -86,7 +89,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
                       eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
                       max_seconds=max_seconds,
                       out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False, **shape)
-    data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies)
+    data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
     vocab_ids = None
     if cfg.head_vocab:
@@ -99,7 +102,8 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     prompts = [tok(p, add_special_tokens=False).input_ids[-args.eval_prompt_tokens:] for p in val["prompt"][: args.eval_prompts]]
     report = evaluate_draft(model, tok, draft, prompts, max_new_tokens=args.eval_tokens, blocks=(5,), quality=False)
     summary = {"steps": result.step, "train_seconds": round(t_train, 1), "self_distill_seconds": round(t_gen, 1),
-               "sequences": len(data), "self_distilled": len(replies), "recipe": "training/demo_recipe.py",
+               "sequences": len(data), "self_distilled": len(replies), "sampled_replies": sum(map(len, sampled)),
+               "sample_temperature": args.sample_temperature if sampled else None, "recipe": "training/demo_recipe.py",
                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "config": cfg.model_dump(exclude={"out_dir", "resume"}),
                "held_out": next((h["eval"] for h in reversed(result.history) if "eval" in h), None)}
@@ -108,6 +112,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
                         training=summary, metrics=metrics)
     (out / args.tag / domain_name / "ACTIVE").write_text(args.version + "\n")
     line = {"domain": domain_name, "tag": args.tag, "train_s": round(t_train, 1), "gen_s": round(t_gen, 1),
+            "steps": result.step, "sequences": len(data),
             "mean_accepted_length": report.get("mean_accepted_length"), "acceptance_rate": report.get("acceptance_rate"),
             "by_position": report.get("acceptance_by_position"), "folder": str(folder)}
     print(json.dumps(line), flush=True)
@@ -188,6 +193,9 @@ def main() -> None:
     t.add_argument("--lr-head", type=float, default=6e-4)
     t.add_argument("--self-distill", type=int, default=3000, help="prompts answered by the target (0: raw text only)")
     t.add_argument("--reply-tokens", type=int, default=160)
+    t.add_argument("--sampled-replies", type=int, default=0,
+                   help="extra sampled replies per self-distilled prompt (more of the target's own text per prompt)")
+    t.add_argument("--sample-temperature", type=float, default=0.8)
     t.add_argument("--gen-batch", type=int, default=128)
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)

@@ -119,12 +119,14 @@ def check_train_domain(domain: str) -> str:
 
 
 def domain_sequences(rows, tokenizer, seq_len: int, prompt_weight: float = 0.5,
-                     responses: dict[str, list[int]] | None = None) -> TokenData:
+                     responses: dict[str, list[int]] | None = None,
+                     extra_responses: list[dict[str, list[int]]] = ()) -> TokenData:
     """Rows with `prompt` (templated request) and `text` -> prompt + response token sequences.
 
     The response is the target's own greedy reply when `responses` has one for the prompt
-    (self-distillation), else the row's raw `text`. Prompts keep at most half of seq_len (cut from
-    the left) so every sequence keeps some response tokens.
+    (self-distillation), else the row's raw `text`. Each dict of `extra_responses` (e.g. sampled
+    replies) adds one more sequence, prompt + that reply, for every row whose prompt it has. Prompts
+    keep at most half of seq_len (cut from the left) so every sequence keeps some response tokens.
     """
     columns = set(rows.column_names) if hasattr(rows, "column_names") else set(rows[0]) if rows else set()
     missing = {"prompt", "text"} - columns
@@ -136,10 +138,10 @@ def domain_sequences(rows, tokenizer, seq_len: int, prompt_weight: float = 0.5,
     enc_texts = tokenizer(texts, add_special_tokens=False)["input_ids"]
     eos = getattr(tokenizer, "eos_token_id", None)
     seqs, weights = [], []
-    for prompt, p_ids, t_ids in zip(prompts, enc_prompts, enc_texts):
-        r_ids = list(responses[prompt]) if responses and prompt in responses else list(t_ids) + ([eos] if eos is not None else [])
+
+    def add(p_ids: list[int], r_ids: list[int]) -> None:
         if not r_ids and not p_ids:
-            continue
+            return
         keep_prompt = max(seq_len - len(r_ids), seq_len // 2)
         p_ids = list(p_ids)[-keep_prompt:] if keep_prompt else []
         ids = (p_ids + r_ids)[:seq_len]
@@ -147,6 +149,12 @@ def domain_sequences(rows, tokenizer, seq_len: int, prompt_weight: float = 0.5,
         if len(ids) >= 2:
             seqs.append(ids)
             weights.append(w)
+
+    for prompt, p_ids, t_ids in zip(prompts, enc_prompts, enc_texts):
+        add(p_ids, list(responses[prompt]) if responses and prompt in responses else list(t_ids) + ([eos] if eos is not None else []))
+        for more in extra_responses:
+            if prompt in more:
+                add(p_ids, list(more[prompt]))
     return TokenData(seqs, weights)
 
 

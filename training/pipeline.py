@@ -31,10 +31,13 @@ def domain_rows(domain: str, split: str, data_dir: Path | None, max_rows: int | 
 
 def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None = None, data_dir: Path | None = None,
                  dataset: str | None = None, text_field: str | None = None, messages_field: str | None = None,
-                 self_distill: int = 0, self_distill_tokens: int = 128, max_rows: int | None = None,
+                 self_distill: int = 0, self_distill_tokens: int = 128, self_distill_sampled: int = 0,
+                 sample_temperature: float = 0.8, max_rows: int | None = None,
                  eval_prompts: int = 16, eval_tokens: int = 64, version: str | None = None, tolerance: float = 0.05,
                  activate: bool = True, echo: Callable[[str], None] = print) -> dict:
     """Run the whole pipeline; returns {'final': folder, 'eval': report, 'published': folder|None, 'activation': ...}."""
+    if self_distill_sampled and not self_distill:
+        raise TrainError("--self-distill-sampled needs --self-distill N (the prompts to answer)")
     out_dir = Path(cfg.out_dir)
     draft_store = None
     if cfg.domain != "mixed":
@@ -54,13 +57,17 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
     tokenizer = loaded.tokenizer
     train_rows = domain_rows(cfg.domain, "train", data_dir, max_rows, cfg.seed)
     val_rows = domain_rows(cfg.domain, "validation", data_dir, cfg.eval_batches * cfg.batch_size, cfg.seed)
-    replies = None
+    replies, sampled = None, []
     if self_distill:
+        gen_batch = 8 if cfg.device == "cpu" else 128
         replies = make_replies(loaded.model, tokenizer, cfg.domain, train_rows, self_distill,
-                               max_new_tokens=self_distill_tokens, batch_size=8 if cfg.device == "cpu" else 64,
-                               seed=cfg.seed)
-        echo(f"self-distillation: {len(replies)} target replies")
-    train_data = domain_sequences(train_rows, tokenizer, cfg.seq_len, cfg.prompt_weight, replies)
+                               max_new_tokens=self_distill_tokens, batch_size=gen_batch, seed=cfg.seed)
+        sampled = [make_replies(loaded.model, tokenizer, cfg.domain, train_rows, self_distill,
+                                max_new_tokens=self_distill_tokens, batch_size=gen_batch, seed=cfg.seed + 1 + i,
+                                temperature=sample_temperature)
+                   for i in range(self_distill_sampled)]
+        echo(f"self-distillation: {len(replies)} greedy target replies, {sum(map(len, sampled))} sampled")
+    train_data = domain_sequences(train_rows, tokenizer, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val_rows, tokenizer, cfg.seq_len, cfg.prompt_weight)
     vocab_ids = None
     if cfg.head_vocab:
@@ -71,7 +78,7 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
     result = train(cfg, loaded.model, train_data, val_data, vocab_ids)
     last_eval = next((h["eval"] for h in reversed(result.history) if "eval" in h), None)
     summary = {"steps": result.step, "seconds_this_run": round(result.seconds, 1), "sequences": len(train_data),
-               "self_distilled": len(replies or {}), "dataset": dataset or str(data_dir or corpora.default_data_dir()),
+               "self_distilled": len(replies or {}), "sampled_replies": sum(map(len, sampled)), "dataset": dataset or str(data_dir or corpora.default_data_dir()),
                "target": loaded.name, "held_out": last_eval, "config": cfg.model_dump(exclude={"out_dir", "resume"})}
     echo(f"trained {result.step} steps in {result.seconds:.0f}s; held-out {json.dumps(last_eval)}")
 

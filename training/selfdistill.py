@@ -1,8 +1,11 @@
-"""Self-distillation data: the target's own greedy replies to a domain's training prompts, cached on disk.
+"""Self-distillation data: the target's own replies to a domain's training prompts, cached on disk.
 
 A draft is judged on what the target generates, so training on the target's replies (rather than
-on raw documents) matches what it will face. Replies are generated in batches with the decode
-engine and cached under `$FLASHSPEC_HOME/selfdistill/`, keyed by the target fingerprint and settings.
+on raw documents) matches what it will face. Greedy replies are what greedy decoding meets; sampled
+replies (`temperature` > 0, seeded per prompt) add more of the target's own text per prompt, which
+matters when a domain has a few thousand prompts and training would otherwise repeat them many
+times. Replies are generated in batches with the decode engine and cached under
+`$FLASHSPEC_HOME/selfdistill/`, keyed by the target fingerprint and settings.
 """
 
 from __future__ import annotations
@@ -20,18 +23,25 @@ from engine.scheduler import DecodeEngine
 
 
 def cache_path(domain: str, fingerprint: str, num_prompts: int, max_new_tokens: int, max_prompt_tokens: int,
-               seed: int, root: Path | None = None) -> Path:
+               seed: int, root: Path | None = None, temperature: float = 0.0) -> Path:
     root = root or flashspec_home() / "selfdistill"
-    return root / f"{domain}-{fingerprint[:12]}-n{num_prompts}-m{max_new_tokens}-p{max_prompt_tokens}-s{seed}.json"
+    sampled = f"-t{temperature:g}" if temperature > 0 else ""
+    return root / f"{domain}-{fingerprint[:12]}-n{num_prompts}-m{max_new_tokens}-p{max_prompt_tokens}-s{seed}{sampled}.json"
 
 
 def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_tokens: int = 128,
                  max_prompt_tokens: int = 384, batch_size: int = 8, seed: int = 0, cache_root: Path | None = None,
-                 progress: bool = True) -> dict[str, list[int]]:
-    """{prompt text: the target's greedy reply token ids} for a seeded sample of `rows` (cached)."""
+                 progress: bool = True, temperature: float = 0.0) -> dict[str, list[int]]:
+    """{prompt text: the target's reply token ids} for a seeded sample of `rows` (cached).
+
+    temperature 0: greedy replies; > 0: one sampled reply per prompt, seeded by (seed, prompt index),
+    so the same call gives the same replies."""
     from tqdm.auto import tqdm
 
-    path = cache_path(domain, target_fingerprint(model), num_prompts, max_new_tokens, max_prompt_tokens, seed, cache_root)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    path = cache_path(domain, target_fingerprint(model), num_prompts, max_new_tokens, max_prompt_tokens, seed, cache_root,
+                      temperature)
     if path.is_file():
         return json.loads(path.read_text())
     prompts = list(dict.fromkeys(rows["prompt"]))
@@ -41,12 +51,17 @@ def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_
     if not chosen:
         raise ValueError(f"no {domain} prompt has at most {max_prompt_tokens} tokens; raise max_prompt_tokens")
     engine = DecodeEngine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    def params(index: int) -> SamplingParams:
+        if temperature == 0:
+            return SamplingParams(max_new_tokens=max_new_tokens)
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + index)
+
     replies: dict[str, list[int]] = {}
     chunk = batch_size * 4
     for start in tqdm(range(0, len(chosen), chunk), desc=f"self-distill {domain}", disable=not progress):
         part = chosen[start : start + chunk]
-        for (prompt, _), result in zip(part, generate(engine, [i for _, i in part], params)):
+        part_params = [params(start + j) for j in range(len(part))]
+        for (prompt, _), result in zip(part, generate(engine, [i for _, i in part], part_params)):
             replies[prompt] = result.token_ids
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -153,6 +153,9 @@ class ByteTokenizer:
     def __call__(self, texts, add_special_tokens=False):
         return {"input_ids": [[2 + b % 254 for b in t.encode()] for t in texts]}
 
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 2 for i in ids if i >= 2).decode(errors="replace")
+
 
 def test_domain_sequences_use_self_distilled_replies_and_weight_the_prompt():
     rows = datasets.Dataset.from_dict({"prompt": ["ab", "cd"], "text": ["xyz", "w"]})
@@ -162,6 +165,37 @@ def test_domain_sequences_use_self_distilled_replies_and_weight_the_prompt():
     assert data.sequences[1] == [101, 102, 40, 41]  # the target's own reply replaces the raw text
     cut = domain_sequences(datasets.Dataset.from_dict({"prompt": ["p" * 30], "text": ["t" * 30]}), ByteTokenizer(), 16)
     assert len(cut.sequences[0]) == 16 and cut.weights[0][-1] == 1.0  # prompt cut to half, response kept
+
+
+def test_domain_sequences_add_one_sequence_per_extra_reply():
+    rows = datasets.Dataset.from_dict({"prompt": ["ab", "cd"], "text": ["xyz", "w"]})
+    data = domain_sequences(rows, ByteTokenizer(), seq_len=16, responses={"cd": [40, 41]},
+                            extra_responses=[{"cd": [50]}, {"ab": [60, 61], "cd": [70]}])
+    assert data.sequences == [[99, 100, 122, 123, 124, 1], [99, 100, 60, 61],
+                              [101, 102, 40, 41], [101, 102, 50], [101, 102, 70]]
+    assert data.weights[1] == [0.5, 0.5, 1.0, 1.0]
+
+
+def test_self_distill_greedy_and_seeded_sampled_replies(tmp_path):
+    from training.selfdistill import self_distill
+
+    target = tiny_target()
+    rows = {"prompt": ["def f(x):", "hello there", "why is the sky blue?", "sum a list"], "text": [""] * 4}
+    kw = dict(max_new_tokens=12, batch_size=2, cache_root=tmp_path, progress=False)
+    greedy = self_distill(target, ByteTokenizer(), "code", rows, 4, **kw)
+    engine = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64)
+    ids = ByteTokenizer()(rows["prompt"])["input_ids"]
+    expect = {p: r.token_ids for p, r in zip(rows["prompt"], generate(engine, ids, SamplingParams(max_new_tokens=12)))}
+    assert greedy == expect  # the target's own greedy replies
+    sampled = self_distill(target, ByteTokenizer(), "code", rows, 4, seed=1, temperature=1.0, **kw)
+    assert set(sampled) == set(greedy) and sampled != greedy
+    assert len(list(tmp_path.iterdir())) == 2  # greedy and sampled are cached apart
+    for f in tmp_path.iterdir():
+        f.unlink()
+    assert self_distill(target, ByteTokenizer(), "code", rows, 4, seed=1, temperature=1.0, **kw) == sampled  # seeded
+    assert self_distill(target, ByteTokenizer(), "code", rows, 4, seed=2, temperature=1.0, **kw) != sampled
+    with pytest.raises(ValueError, match="temperature"):
+        self_distill(target, ByteTokenizer(), "code", rows, 4, temperature=-1.0, **kw)
 
 
 def test_bad_data_gives_clear_errors():
