@@ -62,14 +62,23 @@ def measure(engine, prompts, params, draft_name):
 
 def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code", n_prompts: int = 4,
         max_new_tokens: int = 256, gamma: int = 5, threads: int = 0, split: str = "test",
-        blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,)) -> list[dict]:
-    """Engine AR, then each draft at each block size and draft_confidence, side by side in one run."""
+        blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1) -> list[dict]:
+    """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
+
+    The passes interleave: AR, every FlashSpec row, AR, every FlashSpec row, ..., AR. Each FlashSpec
+    pass is compared with the mean of the AR passes just before and after it, so a machine whose speed
+    drifts (shared cores) moves both sides of a ratio alike; with `repeats` > 1 the reported speedup is
+    the median of the per-pass ratios, with their range."""
+    import statistics
+
     from bench.prompts import held_out_prompts
     from engine.loading import load_model
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
+    if repeats < 1:
+        raise SystemExit(f"error: --repeats must be at least 1, got {repeats}")
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model("default", device=device)
@@ -79,33 +88,45 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     max_len = max(len(p) for p in prompts) + max_new_tokens + 8
     ar_engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len)
     measure(ar_engine, [prompts[0][:8]], SamplingParams(max_new_tokens=4), None)  # warm-up
-    ar = measure(ar_engine, prompts, params, None)
-    rows = [{"name": "engine AR", "tps": ar["tps"], "speedup": 1.0, "mal": None, "acc": None, "same": len(prompts)}]
+    configs = []
     for spec in drafts:
         draft = load_bench_draft(spec, loaded.model)
         for block, conf in [(b, c) for b in (blocks or (2, gamma)) for c in confidences]:
             engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
                                   spec=SpecConfig(gamma, block, draft_confidence=conf))
             engine.add_draft("d", draft)
-            r = measure(engine, prompts, params, "d")
-            same = sum(a == b for a, b in zip(r["outs"], ar["outs"]))
-            rows.append({"name": f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, "
-                                 f"{draft.config.head}, {draft.feature_input}, K={draft.config.head_vocab or 'full'}) "
-                                 f"gamma {gamma} block {block}" + (f" confidence {conf:g}" if conf else ""),
-                         "tps": r["tps"], "speedup": r["tps"] / ar["tps"], "mal": r["mal"], "acc": r["acc"], "same": same})
-    # Plain decoding again at the end: on shared cores the machine's speed drifts; the ratios use the mean.
-    ar_end = measure(ar_engine, prompts, params, None)
-    ar_tps = (ar["tps"] + ar_end["tps"]) / 2
-    rows[0]["tps"] = ar_tps
-    for r in rows[1:]:
-        r["speedup"] = r["tps"] / ar_tps
+            name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
+                    f"{draft.feature_input}, K={draft.config.head_vocab or 'full'}) gamma {gamma} block {block}"
+                    + (f" confidence {conf:g}" if conf else ""))
+            configs.append((name, engine))
+    ar_passes = [measure(ar_engine, prompts, params, None)]
+    spec_passes: list[list[dict]] = [[] for _ in configs]
+    for _ in range(repeats):
+        for i, (_, engine) in enumerate(configs):
+            spec_passes[i].append(measure(engine, prompts, params, "d"))
+        # Plain decoding again after every pass over the rows: the ratios use the AR passes around them.
+        ar_passes.append(measure(ar_engine, prompts, params, None))
+    ar_tps = [p["tps"] for p in ar_passes]
+    ref = ar_passes[0]["outs"]
+    rows = [{"name": "engine AR", "tps": statistics.mean(ar_tps), "speedup": 1.0, "range": None, "mal": None,
+             "acc": None, "same": len(prompts)}]
+    for (name, _), passes in zip(configs, spec_passes):
+        ratios = [p["tps"] / ((ar_tps[k] + ar_tps[k + 1]) / 2) for k, p in enumerate(passes)]
+        last = passes[-1]
+        rows.append({"name": name, "tps": statistics.mean(p["tps"] for p in passes), "speedup": statistics.median(ratios),
+                     "range": (min(ratios), max(ratios)) if repeats > 1 else None, "mal": last["mal"],
+                     "acc": last["acc"], "same": min(sum(a == b for a, b in zip(p["outs"], ref)) for p in passes)})
+    passes_note = (f"engine AR measured first and last ({ar_tps[0]:.2f} / {ar_tps[-1]:.2f} tok/s), ratios against the mean"
+                   if repeats == 1 else
+                   f"{repeats} interleaved passes (AR between them: {' / '.join(f'{t:.2f}' for t in ar_tps)} tok/s), "
+                   "each FlashSpec pass against the mean of the AR passes around it; speedup = median of the passes [range]")
     print(f"setup: {setup_line(device, threads)}; SmolLM2-135M-Instruct; {source}; {max_new_tokens} new tokens, "
-          f"greedy, batch 1 (prefill included); engine AR measured first and last ({ar['tps']:.2f} / "
-          f"{ar_end['tps']:.2f} tok/s), ratios against the mean")
+          f"greedy, batch 1 (prefill included); {passes_note}")
     print("| path | tokens/s | speedup vs AR | mean accepted length | acceptance rate | outputs identical to AR |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         mal = f"{r['mal']:.2f}" if r["mal"] is not None else "-"
         acc = f"{r['acc']:.2f}" if r["acc"] is not None else "-"
-        print(f"| {r['name']} | {r['tps']:.2f} | {r['speedup']:.2f}x | {mal} | {acc} | {r['same']}/{len(prompts)} |")
+        spread = f" [{r['range'][0]:.2f}-{r['range'][1]:.2f}]" if r["range"] else ""
+        print(f"| {r['name']} | {r['tps']:.2f} | {r['speedup']:.2f}x{spread} | {mal} | {acc} | {r['same']}/{len(prompts)} |")
     return rows

@@ -179,9 +179,9 @@ def main() -> None:
     t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
     t.add_argument("--shape", choices=tuple(SHAPES), default="demo")
     t.add_argument("--tag", default="demo")
-    t.add_argument("--version", default="demo-v2")
+    t.add_argument("--version", default="demo-v4")
     t.add_argument("--device", default="cuda")
-    t.add_argument("--steps", type=int, default=4000, help="optimizer steps (at most; see --max-seconds)")
+    t.add_argument("--steps", type=int, default=10000, help="optimizer steps (at most; see --max-seconds)")
     t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
     t.add_argument("--total-seconds", type=float, default=None,
                    help="budget of a whole domain run from process start (self-distill + train + eval); training gets the rest")
@@ -193,7 +193,7 @@ def main() -> None:
     t.add_argument("--lr-head", type=float, default=6e-4)
     t.add_argument("--self-distill", type=int, default=3000, help="prompts answered by the target (0: raw text only)")
     t.add_argument("--reply-tokens", type=int, default=160)
-    t.add_argument("--sampled-replies", type=int, default=0,
+    t.add_argument("--sampled-replies", type=int, default=2,
                    help="extra sampled replies per self-distilled prompt (more of the target's own text per prompt)")
     t.add_argument("--sample-temperature", type=float, default=0.8)
     t.add_argument("--gen-batch", type=int, default=128)

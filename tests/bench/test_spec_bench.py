@@ -1,0 +1,43 @@
+"""`flashspec bench spec`: interleaved AR / FlashSpec passes, each ratio against the AR passes around it."""
+
+from __future__ import annotations
+
+import pytest
+
+import bench.spec as spec_bench
+
+
+def fake_measures(monkeypatch, tiny_target, ar_tps, spec_tps):
+    monkeypatch.setattr("engine.loading.load_model", lambda name, device="cpu": tiny_target)
+    monkeypatch.setattr("bench.prompts.held_out_prompts", lambda tok, domain, n, split: ([[5, 6, 7, 8]] * n, "test prompts"))
+    calls, ar_it, spec_it = [], iter(ar_tps), iter(spec_tps)
+
+    def measure(engine, prompts, params, draft_name):
+        calls.append(draft_name)
+        tps = next(ar_it) if draft_name is None else next(spec_it)
+        return {"tps": tps, "mal": 2.5, "acc": 0.3, "outs": [[1, 2]] * len(prompts)}
+
+    monkeypatch.setattr(spec_bench, "measure", measure)
+    return calls
+
+
+def test_passes_interleave_and_the_speedup_is_the_median_of_paired_ratios(monkeypatch, tiny_target, capsys):
+    # warm-up, then AR 10, spec 15, AR 20, spec 30, AR 10: the ratios are 15/15 and 30/15
+    calls = fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 20.0, 10.0], [15.0, 30.0])
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=2, max_new_tokens=4, blocks=(5,),
+                          repeats=2)
+    assert calls == [None, None, "d", None, "d", None]
+    assert rows[1]["speedup"] == pytest.approx(1.5) and rows[1]["range"] == pytest.approx((1.0, 2.0))
+    assert rows[0]["tps"] == pytest.approx(40 / 3) and rows[1]["same"] == 2
+    out = capsys.readouterr().out
+    assert "2 interleaved passes" in out and "1.50x [1.00-2.00]" in out
+
+
+def test_one_pass_compares_with_ar_first_and_last(monkeypatch, tiny_target, capsys):
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 30.0], [40.0, 10.0])
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=1, max_new_tokens=4, blocks=(5,),
+                          confidences=(0.0, 0.4))
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 2.0, 0.5]) and rows[1]["range"] is None
+    assert "measured first and last (10.00 / 30.00 tok/s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="repeats"):
+        spec_bench.run(repeats=0)
