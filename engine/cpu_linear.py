@@ -1,10 +1,11 @@
 """Faster fp32 linear layers on the CPU: oneDNN with weights prepacked once.
 
 On the CPU, `F.linear` goes to MKL's sgemm, which is slow for the few rows a decode step or a
-verify pass carries: on a 2-core x86 machine the 49k-row vocabulary projection takes 10.6 ms for
-1 row and 22 ms for 6. oneDNN with the weight reordered once into its blocked layout takes 5.2 /
-6.8 ms, and a decode step of the default model drops from 58 to 48 ms, a 6-token pass from 84 to
-60 ms (`python -m bench.cpu_costs` measures these).
+verify pass carries: on a 2-core x86 machine the 49k-row vocabulary projection takes 9.9 ms for
+1 row and 22 ms for 6. oneDNN with the weight reordered once into its blocked layout (for
+`PACK_ROWS` = 8 rows) takes 4.6 / 3.3 ms, and a decode step of the default model drops from 59 to
+42 ms, a 6-token pass from 84 to 43 ms (`python -m bench.cpu_costs` measures these, and the 1-row
+layout beside them).
 
 `pack_linears(module)` switches every `nn.Linear` below `module` to `PackedLinear` (same class
 otherwise, same parameters and state dict) holding a packed copy of its weight. The packed path runs
@@ -35,7 +36,7 @@ def _works() -> bool:
         if not torch.backends.mkldnn.is_available():
             return False
         w, x = torch.randn(8, 16), torch.randn(3, 16)
-        out = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, _pack(w), None, "none", [], "")
         return bool(torch.allclose(out, F.linear(x, w), rtol=1e-4, atol=1e-4))
     except Exception as exc:  # an op missing from this build, or refused by this CPU
         log.info("oneDNN-packed projections unavailable (%s); using F.linear", exc)
@@ -49,8 +50,15 @@ def available() -> bool:
     return _works()
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+# The row count oneDNN lays a packed weight out for. The engine runs 1 row (a decode or draft step)
+# and 2-7 rows (a verify pass); a layout for 8 rows is as fast as the 1-row layout for one row, and
+# about 1.6x faster for 4-6 rows (the 1-row layout reads the whole vocabulary projection twice as
+# slowly for 6 rows as the 8-row one): `python -m bench.cpu_costs` measures both.
+PACK_ROWS = 8
+
+
+def _pack(weight: torch.Tensor, rows: int = PACK_ROWS) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
