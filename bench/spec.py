@@ -61,7 +61,7 @@ def measure(engine, prompts, params, draft_name):
 
 
 def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code", n_prompts: int = 4,
-        max_new_tokens: int = 256, gamma: int = 5, threads: int = 0, split: str = "test",
+        max_new_tokens: int = 256, gamma: int | tuple[int, ...] = 5, threads: int = 0, split: str = "test",
         blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1) -> list[dict]:
     """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
 
@@ -88,17 +88,20 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     max_len = max(len(p) for p in prompts) + max_new_tokens + 8
     ar_engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len)
     measure(ar_engine, [prompts[0][:8]], SamplingParams(max_new_tokens=4), None)  # warm-up
+    gammas = (gamma,) if isinstance(gamma, int) else tuple(gamma)
     configs = []
     for spec in drafts:
         draft = load_bench_draft(spec, loaded.model)
-        for block, conf in [(b, c) for b in (blocks or (2, gamma)) for c in confidences]:
-            engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
-                                  spec=SpecConfig(gamma, block, draft_confidence=conf))
-            engine.add_draft("d", draft)
-            name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
-                    f"{draft.feature_input}, K={draft.config.head_vocab or 'full'}) gamma {gamma} block {block}"
-                    + (f" confidence {conf:g}" if conf else ""))
-            configs.append((name, engine))
+        for g in gammas:
+            # a block longer than gamma is one verify per round: block = gamma
+            for block, conf in dict.fromkeys((min(b, g), c) for b in (blocks or (2, g)) for c in confidences):
+                engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
+                                      spec=SpecConfig(g, block, draft_confidence=conf))
+                engine.add_draft("d", draft)
+                name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
+                        f"{draft.feature_input}, K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
+                        + (f" confidence {conf:g}" if conf else ""))
+                configs.append((name, engine))
     ar_passes = [measure(ar_engine, prompts, params, None)]
     spec_passes: list[list[dict]] = [[] for _ in configs]
     for _ in range(repeats):

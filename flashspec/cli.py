@@ -145,7 +145,7 @@ def bench_spec(
     domain: Annotated[str, typer.Option(help="Held-out prompts of this domain.")] = "code",
     prompts: Annotated[int, typer.Option(help="Prompts to run.")] = 4,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 256,
-    gamma: Annotated[int, typer.Option(help="num_speculative_tokens.")] = 5,
+    gamma: Annotated[list[int], typer.Option(help="num_speculative_tokens (several: each is a row).")] = [5],
     threads: Annotated[int, typer.Option(help="torch threads (0 = torch's default).")] = 0,
     split: Annotated[str, typer.Option(help="Corpus split the prompts come from (tune on validation, report test).")] = "test",
     block: Annotated[Optional[list[int]], typer.Option(help="Block size(s) to run (default: 2 and gamma).")] = None,
@@ -155,7 +155,7 @@ def bench_spec(
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
 
-    run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=gamma,
+    run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=tuple(gamma),
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
         repeats=repeats)
 

@@ -41,3 +41,10 @@ def test_one_pass_compares_with_ar_first_and_last(monkeypatch, tiny_target, caps
     assert "measured first and last (10.00 / 30.00 tok/s)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="repeats"):
         spec_bench.run(repeats=0)
+
+
+def test_several_gammas_each_a_row_and_a_long_block_is_one_verify(monkeypatch, tiny_target):
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [11.0, 12.0])
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=1, max_new_tokens=4, gamma=(5, 7),
+                          blocks=(7,))
+    assert [r["name"].split(") ")[1] for r in rows[1:]] == ["gamma 5 block 5", "gamma 7 block 7"]
