@@ -71,10 +71,10 @@ class PackedWeight:
     same storage and shape, same version counter (inference tensors, made under torch.inference_mode,
     have none; they are never trained)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, rows: int = PACK_ROWS) -> None:
         self.ptr, self.shape = weight.data_ptr(), weight.shape
         self.version = None if weight.is_inference() else weight._version
-        self.packed = _pack(weight)
+        self.packed = _pack(weight, rows)
 
     def usable(self, weight: torch.Tensor, x: torch.Tensor) -> bool:
         # On every projection of a CPU decode step: cheapest tests first, no allocation.

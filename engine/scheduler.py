@@ -17,7 +17,7 @@ import torch
 from engine.cache import KVCache, WindowedKVCache, row_index
 from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
-from engine.governor import SpeculationGovernor
+from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import processed_probs, sample
@@ -426,7 +426,7 @@ class DecodeEngine:
 
     def batch_bucket(self, n: int) -> int:
         """The padded batch size a graph of n rows with scattered cache rows runs at: 1, 2, 4, ..., max."""
-        return min(1 << (n - 1).bit_length(), self.max_batch_size)
+        return min(batch_bucket(n), self.max_batch_size)
 
     def padded_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """(n,) cache rows -> (bucket,) with the padding pointing at the scratch row."""

@@ -68,15 +68,13 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     from drafts.checkpoint import save_draft
     from training.distill import TrainConfig, domain_sequences, frequent_vocab, train
     from training.evaluate import evaluate_draft
-    from training.selfdistill import self_distill
+    from training.selfdistill import greedy_and_sampled
 
     tok, model = loaded.tokenizer, loaded.model
     t0 = time.perf_counter()
-    replies = self_distill(model, tok, domain_name, rows, args.self_distill,
-                           max_new_tokens=args.reply_tokens, batch_size=args.gen_batch, progress=False)
-    sampled = [self_distill(model, tok, domain_name, rows, args.self_distill, max_new_tokens=args.reply_tokens,
-                            batch_size=args.gen_batch, progress=False, seed=1 + i, temperature=args.sample_temperature)
-               for i in range(args.sampled_replies)]
+    replies, sampled = greedy_and_sampled(model, tok, domain_name, rows, args.self_distill, args.sampled_replies,
+                                          args.sample_temperature, max_new_tokens=args.reply_tokens,
+                                          batch_size=args.gen_batch, progress=False)
     t_gen = time.perf_counter() - t0
     max_seconds = args.max_seconds
     if args.total_seconds:  # what is left of the whole run's budget, less a reserve for evaluation and saving

@@ -14,7 +14,7 @@ from engine.loading import load_model
 from training import corpora
 from training.distill import ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, frequent_vocab, train
 from training.evaluate import evaluate_draft, held_out_prompts
-from training.selfdistill import self_distill as make_replies
+from training.selfdistill import greedy_and_sampled as make_replies
 
 
 def domain_rows(domain: str, split: str, data_dir: Path | None, max_rows: int | None = None, seed: int = 0) -> datasets.Dataset:
@@ -59,13 +59,9 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
     val_rows = domain_rows(cfg.domain, "validation", data_dir, cfg.eval_batches * cfg.batch_size, cfg.seed)
     replies, sampled = None, []
     if self_distill:
-        gen_batch = 8 if cfg.device == "cpu" else 128
-        replies = make_replies(loaded.model, tokenizer, cfg.domain, train_rows, self_distill,
-                               max_new_tokens=self_distill_tokens, batch_size=gen_batch, seed=cfg.seed)
-        sampled = [make_replies(loaded.model, tokenizer, cfg.domain, train_rows, self_distill,
-                                max_new_tokens=self_distill_tokens, batch_size=gen_batch, seed=cfg.seed + 1 + i,
-                                temperature=sample_temperature)
-                   for i in range(self_distill_sampled)]
+        replies, sampled = make_replies(loaded.model, tokenizer, cfg.domain, train_rows, self_distill,
+                                        self_distill_sampled, sample_temperature, max_new_tokens=self_distill_tokens,
+                                        batch_size=8 if cfg.device == "cpu" else 128, seed=cfg.seed)
         echo(f"self-distillation: {len(replies)} greedy target replies, {sum(map(len, sampled))} sampled")
     train_data = domain_sequences(train_rows, tokenizer, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val_rows, tokenizer, cfg.seq_len, cfg.prompt_weight)
