@@ -75,6 +75,30 @@ def step_profile(model, kv_len: int = 512) -> dict:
     return out
 
 
+@torch.no_grad()
+def fp32_agreement(model, prompts: list[list[int]], outs: list[list[int]]) -> dict:
+    """Each emitted greedy token against the fp32 model's argmax *given the same prefix* (one pass over
+    prompt + output). Sequence agreement with AR stops counting at the first divergence, after which
+    the two outputs continue different texts; this counts every token, and gives the fp32 logit gap
+    (top token minus the emitted one) where they differ: a near-tie when it is small."""
+    device = model.embed_tokens.weight.device
+    agree = total = 0
+    gaps: list[float] = []
+    for p, o in zip(prompts, outs):
+        if not o:
+            continue
+        x = torch.tensor([p + o[:-1]], device=device)
+        logits = model(x, torch.arange(x.shape[1], device=device)[None]).logits[0, len(p) - 1 :].float()
+        chosen = torch.tensor(o, device=device)
+        miss = logits.argmax(-1) != chosen
+        gap = logits.max(-1).values - logits.gather(-1, chosen[:, None])[:, 0]
+        agree += int((~miss).sum())
+        total += len(o)
+        gaps += gap[miss].tolist()
+    return {"fp32_agreement": agree / total if total else None, "fp32_misses": len(gaps),
+            "fp32_gap_median": statistics.median(gaps) if gaps else None, "fp32_gap_max": max(gaps, default=None)}
+
+
 def pick_prompts(data: dict, kind: str, bs: int) -> tuple[list[list[int]], list[str]]:
     """bs prompts cycling over the domains (bs 1: one per domain, run one after another)."""
     ids, domains = [], []
@@ -96,6 +120,14 @@ class Bench:
         self.prompts = json.loads(Path(args.prompts).read_text())
         self.rows: list[dict] = []
         self.hf = None
+        self.fp32 = None
+
+    def fp32_check(self, prompts: list[list[int]], outs: list[list[int]]) -> dict:
+        from engine.loading import load_model
+
+        if self.fp32 is None:
+            self.fp32 = load_model("default", device="cuda", dtype="float32").model
+        return fp32_agreement(self.fp32, prompts, outs)
 
     # ----- transformers --------------------------------------------------------------------
     def hf_model(self):
@@ -191,6 +223,8 @@ class Bench:
                 agree += first_diff
                 total += n
             row["agreement"] = agree / total if total else None
+        if greedy and self.args.fp32_check:
+            row.update(self.fp32_check(prompts, row["outs"]))
         return row
 
     def add(self, setting, name, row):
@@ -386,6 +420,23 @@ def main_table(bench: Bench, args) -> list[str]:
     return lines
 
 
+def fp32_table(bench: Bench) -> list[str]:
+    """Greedy rows: agreement with AR up to the first divergence, and every token against the fp32 target."""
+    rows = [r for r in bench.rows if r.get("fp32_agreement") is not None]
+    if not rows:
+        return []
+    fmt = lambda v, f="{:.3f}": f.format(v) if v is not None else "-"  # noqa: E731
+    lines = ["", "bf16 greedy tokens against the fp32 target's argmax given the same prefix (every token), and "
+                 "agreement with engine AR up to the first divergence. Gap: fp32 logit of the argmax minus that of "
+                 "the token emitted, where they differ.",
+             "| setting | path | agreement with AR (to first divergence) | fp32 argmax agreement | tokens differing | "
+             "median gap | max gap |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['setting']} | {r['name']} | {fmt(r.get('agreement'))} | {fmt(r['fp32_agreement'])} | "
+                     f"{r['fp32_misses']} | {fmt(r['fp32_gap_median'])} | {fmt(r['fp32_gap_max'])} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", default="bench/data/gpu_prompts.json")
@@ -405,6 +456,8 @@ def main() -> None:
     parser.add_argument("--fused-greedy-only", action="store_true", help="fused rows only for the greedy settings")
     parser.add_argument("--passes", type=int, default=1,
                         help="measured passes per row after the warm-up one; tokens/s is their median")
+    parser.add_argument("--no-fp32-check", dest="fp32_check", action="store_false",
+                        help="leave out the check of greedy rows' tokens against the fp32 target")
     parser.add_argument("--out", default=None)
     parser.add_argument("--fused", nargs="?", const="compiled", choices=("compiled", "hand"), default=None,
                         help="also run the fused inference path after the unfused rows: 'compiled' (the default "
@@ -440,7 +493,7 @@ def main() -> None:
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []
-    lines = main_table(bench, args) + fused_lines
+    lines = main_table(bench, args) + fused_lines + fp32_table(bench)
     if not args.skip_cost:
         lines += [""] + cost_model(fused=args.fused)
     text = "\n".join(lines)

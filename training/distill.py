@@ -67,6 +67,9 @@ class TrainConfig(BaseModel):
     feature_weight: float = Field(0.1, ge=0, description="Weight of the proxy-feature regression (deep drafts).")
     rollout_steps: int = Field(2, ge=1, le=3, description="Draft passes per batch (deep drafts): 2nd/3rd feed on own features.")
     prompt_weight: float = Field(0.5, ge=0, description="Loss weight of prompt tokens (response tokens weigh 1).")
+    teacher_cache_gb: float = Field(8.0, ge=0, description="Keep the target's trunk and final hidden states of the "
+                                    "whole training set in device memory when they fit in this many GB, so each "
+                                    "epoch after the first skips the target's forward pass (0: run it every batch).")
     # Bookkeeping.
     eval_every: int = Field(100, ge=1, description="Held-out loss and top-1 agreement every this many steps.")
     eval_batches: int = Field(4, ge=1, description="Validation micro-batches per evaluation.")
@@ -212,26 +215,82 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_pass(target: Transformer, tokens: torch.Tensor, n_trunk: int, vocab_ids: torch.Tensor | None):
-    """One target run: trunk hidden (B, T, H), final hidden (B, T, H), next-token logits (B, T, K or V)."""
+def target_states(target: Transformer, tokens: torch.Tensor, n_trunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target on right-padded tokens (B, T): trunk hidden (B, T, H) and final hidden (B, T, H)."""
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # (B, T)
     with _autocast(tokens.device):
         trunk = target(tokens, pos, layers=range(0, n_trunk)).hidden
         final = target(None, pos, layers=range(n_trunk, target.args.num_layers), hidden=trunk,
                        compute_logits=False).final_hidden
+    return trunk, final
+
+
+@torch.no_grad()
+def target_logits(target: Transformer, final: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
+    """Next-token logits (..., K or V) in fp32 from final hidden states."""
+    with _autocast(final.device):
         weight = target.lm_head.weight if vocab_ids is None else target.lm_head.weight[vocab_ids]
-        logits = F.linear(final, weight)
-    return pos, trunk, final, logits.float()
+        return F.linear(final, weight).float()
+
+
+class TeacherCache:
+    """The target's trunk and final hidden states for every token of the training set, in device memory.
+
+    Distillation runs the whole target once per batch, and a training run passes over a few thousand
+    sequences tens of times: the target's forward pass is most of a step. The target is frozen and
+    attention is causal, so a token's states do not depend on the epoch or on the padding of its
+    batch; they are computed once (sequences sorted by length, little padding) and gathered per
+    batch. Logits are recomputed from the final states (one small projection), so the cache holds
+    2 x H values per token, not a vocabulary's worth.
+    """
+
+    def __init__(self, target: Transformer, data: TokenData, n_trunk: int, device: torch.device, batch_size: int = 64):
+        lengths = [len(s) for s in data.sequences]
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
+        total, h = int(self.offsets[-1]), target.args.hidden_size
+        dtype = target.embed_tokens.weight.dtype  # the residual stream's dtype, autocast or not
+        # One extra zero row at the end: where padding positions point.
+        self.trunk = torch.zeros(total + 1, h, dtype=dtype, device=device)
+        self.final = torch.zeros(total + 1, h, dtype=dtype, device=device)
+        order = np.argsort(lengths, kind="stable")
+        for start in range(0, len(order), batch_size):
+            idx = [int(i) for i in order[start : start + batch_size]]
+            tokens, _ = _batch(data, idx, device)
+            trunk, final = target_states(target, tokens, n_trunk)
+            for row, i in enumerate(idx):
+                a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+                self.trunk[a:b] = trunk[row, : b - a]
+                self.final[a:b] = final[row, : b - a]
+        self.lengths = lengths
+
+    @staticmethod
+    def size_gb(target: Transformer, data: TokenData) -> float:
+        tokens = sum(len(s) for s in data.sequences) + 1
+        return 2 * tokens * target.args.hidden_size * target.embed_tokens.weight.element_size() / 1e9
+
+    def gather(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Trunk and final hidden (B, T, H) of these sequences, right-padded with zeros like `_batch`."""
+        t = max(self.lengths[i] for i in indices)
+        pad = len(self.trunk) - 1
+        flat = np.full((len(indices), t), pad, dtype=np.int64)
+        for row, i in enumerate(indices):
+            flat[row, : self.lengths[i]] = np.arange(self.offsets[i], self.offsets[i + 1])
+        flat = torch.from_numpy(flat).to(device)
+        return self.trunk[flat], self.final[flat]
 
 
 def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
-                 cfg: TrainConfig) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft step."""
+                 cfg: TrainConfig, states: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft
+    step, as tensors (one host transfer when the caller reads them). `states`: the target's trunk and
+    final hidden states of these tokens when already known (`TeacherCache`); else the target runs."""
     vocab_ids = draft.vocab_ids
-    pos, trunk, final, target_logits = target_pass(target, tokens, draft.shared_layers, vocab_ids)
-    target_logp = F.log_softmax(target_logits, dim=-1)  # (B, T, K): renormalized over the sub-vocabulary
+    trunk, final = states if states is not None else target_states(target, tokens, draft.shared_layers)
+    pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    logits = target_logits(target, final, vocab_ids)
+    target_logp = F.log_softmax(logits, dim=-1)  # (B, T, K): renormalized over the sub-vocabulary
     target_prob = target_logp.exp()
-    target_top = target_logits.argmax(-1)  # (B, T)
+    target_top = logits.argmax(-1)  # (B, T)
     denom = weights.sum().clamp_min(1e-6)
     deep = draft.feature_input == "deep"
     steps = cfg.rollout_steps if deep else 1  # without features the draft's inputs are the true trunk states
@@ -267,9 +326,9 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
                     feats = _shift(proxy)
             total = total + loss / steps
             agree = ((draft_logp.argmax(-1) == target_top).float() * (weights > 0)).sum() / (weights > 0).sum().clamp_min(1)
-            parts["kl"].append(float(kl.detach()))
-            parts["top1"].append(float(agree))
-    return total, parts
+            parts["kl"].append(kl.detach())
+            parts["top1"].append(agree)
+    return total, {k: torch.stack(v) for k, v in parts.items()}
 
 
 @torch.no_grad()
@@ -282,8 +341,8 @@ def held_out(target: Transformer, draft: DraftModel, data: TokenData, cfg: Train
         tokens, weights = _batch(data, list(range(start, min(n, start + cfg.batch_size))), device)
         loss, parts = distill_loss(target, draft, tokens, weights, cfg)
         losses.append(float(loss))
-        kls.append(parts["kl"])
-        tops.append(parts["top1"])
+        kls.append(parts["kl"].tolist())
+        tops.append(parts["top1"].tolist())
     draft.train()
     return {"loss": float(np.mean(losses)), "kl_by_step": np.mean(kls, axis=0).round(4).tolist(),
             "top1_by_step": np.mean(tops, axis=0).round(4).tolist()}
@@ -403,6 +462,10 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         resumed_seconds = state.get("elapsed", 0.0)
     order = _Order(len(train_data), cfg.batch_size, cfg.seed)
     log_file = out_dir / "train_log.jsonl"
+    started = time.perf_counter()  # the teacher cache is built on the loop's clock
+    teacher = None
+    if cfg.teacher_cache_gb > 0 and TeacherCache.size_gb(target, train_data) <= cfg.teacher_cache_gb:
+        teacher = TeacherCache(target, train_data, draft.shared_layers, device)
 
     def save() -> None:
         tmp = ckpt_path.with_name(f".state.pt.tmp-{os.getpid()}")
@@ -412,27 +475,31 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         os.replace(tmp, ckpt_path)
 
     # Loop: accumulate micro-batches, clip, step, log; evaluate and checkpoint periodically.
-    started = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {cfg.domain}", disable=not progress, dynamic_ncols=True)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
-        parts_sum: dict = {"loss": 0.0, "kl": None, "top1": None}
+        sums = None  # (loss, grad norm, kl per step..., top1 per step...) on the device: one transfer per step
         for micro in range(cfg.grad_accum):
-            tokens, weights = _batch(train_data, order.indices(step * cfg.grad_accum + micro), device)
-            loss, parts = distill_loss(target, draft, tokens, weights, cfg)
+            indices = order.indices(step * cfg.grad_accum + micro)
+            tokens, weights = _batch(train_data, indices, device)
+            states = teacher.gather(indices, device) if teacher is not None else None
+            loss, parts = distill_loss(target, draft, tokens, weights, cfg, states)
             (loss / cfg.grad_accum).backward()
-            parts_sum["loss"] += float(loss.detach()) / cfg.grad_accum
-            for key in ("kl", "top1"):
-                vals = np.array(parts[key]) / cfg.grad_accum
-                parts_sum[key] = vals if parts_sum[key] is None else parts_sum[key] + vals
+            row = torch.cat([loss.detach()[None], loss.new_zeros(1), parts["kl"], parts["top1"]]) / cfg.grad_accum
+            sums = row if sums is None else sums + row
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip)
+        sums[1] = grad_norm
         optimizer.step()
         scheduler.step()
         step += 1
         out_of_time = clock is not None and clock() >= 1.0
-        log = {"step": step, "loss": round(parts_sum["loss"], 5), "kl_by_step": np.round(parts_sum["kl"], 4).tolist(),
-               "top1_by_step": np.round(parts_sum["top1"], 4).tolist(), "grad_norm": round(float(grad_norm), 4),
+        values = sums.tolist()
+        n_steps = (len(values) - 2) // 2
+        log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[2 : 2 + n_steps], 4).tolist(),
+               "top1_by_step": np.round(values[2 + n_steps :], 4).tolist(), "grad_norm": round(values[1], 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
+        if teacher is not None and step == 1:
+            log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data), 3)
         if out_of_time:
             log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
         if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):

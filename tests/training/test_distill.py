@@ -15,8 +15,9 @@ from engine.model import Transformer
 from engine.sampling import SamplingParams
 from engine.scheduler import DecodeEngine
 from engine.speculative import SpecConfig
-from training.distill import (TokenData, TrainConfig, TrainError, build_draft, domain_sequences, frequent_vocab,
-                              train)
+import training.distill as distill
+from training.distill import (TeacherCache, TokenData, TrainConfig, TrainError, build_draft, domain_sequences,
+                              frequent_vocab, target_states, train)
 from training.evaluate import evaluate_draft
 
 ARGS = ModelArgs(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
@@ -125,6 +126,30 @@ def test_an_interrupted_run_resumes_to_the_same_state(tmp_path, setup):
     for name, value in straight.draft.state_dict().items():
         assert torch.allclose(resumed.draft.state_dict()[name], value, atol=1e-6), name
     assert [h["loss"] for h in resumed.history] == pytest.approx([h["loss"] for h in straight.history], abs=1e-6)
+
+
+def test_the_teacher_cache_gives_the_target_pass_its_own_states(tmp_path, setup):
+    """Cached states (computed once, sorted by length) equal the target run on each batch, so training
+    with the cache follows the same trajectory; a cache over its memory budget is not built."""
+    target, _, data = setup
+    ragged = TokenData([s[: 20 + 3 * i] for i, s in enumerate(data.sequences)], [w[: 20 + 3 * i] for i, w in enumerate(data.weights)])
+    cache = TeacherCache(target, ragged, 1, torch.device("cpu"), batch_size=5)
+    indices = [3, 0, 11, 7]
+    tokens, weights = distill._batch(ragged, indices, torch.device("cpu"))
+    trunk, final = target_states(target, tokens, 1)
+    c_trunk, c_final = cache.gather(indices, torch.device("cpu"))
+    real = weights > 0
+    assert torch.allclose(c_trunk[real], trunk[real], atol=1e-5) and torch.allclose(c_final[real], final[real], atol=1e-5)
+    assert not c_final[~real].any()  # padding points at the zero row
+
+    cached = train(config(tmp_path / "a", steps=8, eval_every=100), target, ragged, progress=False)
+    plain = train(config(tmp_path / "b", steps=8, eval_every=100, teacher_cache_gb=0), target, ragged, progress=False)
+    assert "teacher_cache_gb" in cached.history[0] and "teacher_cache_gb" not in plain.history[0]
+    assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-4)
+    size = TeacherCache.size_gb(target, ragged)
+    assert size == pytest.approx(2 * (sum(map(len, ragged.sequences)) + 1) * 64 * 4 / 1e9)  # + the padding row
+    small = train(config(tmp_path / "c", steps=1, teacher_cache_gb=size / 2), target, ragged, progress=False)
+    assert "teacher_cache_gb" not in small.history[0]
 
 
 def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
