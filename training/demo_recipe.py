@@ -177,9 +177,9 @@ def main() -> None:
     t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
     t.add_argument("--shape", choices=tuple(SHAPES), default="demo")
     t.add_argument("--tag", default="demo")
-    t.add_argument("--version", default="demo-v4")
+    t.add_argument("--version", default="demo-v6")
     t.add_argument("--device", default="cuda")
-    t.add_argument("--steps", type=int, default=10000, help="optimizer steps (at most; see --max-seconds)")
+    t.add_argument("--steps", type=int, default=20000, help="optimizer steps (at most; see --max-seconds)")
     t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
     t.add_argument("--total-seconds", type=float, default=None,
                    help="budget of a whole domain run from process start (self-distill + train + eval); training gets the rest")
