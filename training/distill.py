@@ -476,6 +476,7 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
 
     # Loop: accumulate micro-batches, clip, step, log; evaluate and checkpoint periodically.
     bar = tqdm(total=cfg.steps, initial=step, desc=f"distill {cfg.domain}", disable=not progress, dynamic_ncols=True)
+    first_logged = len(history)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
         sums = None  # (loss, grad norm, kl per step..., top1 per step...) on the device: one transfer per step
@@ -498,7 +499,7 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[2 : 2 + n_steps], 4).tolist(),
                "top1_by_step": np.round(values[2 + n_steps :], 4).tolist(), "grad_norm": round(values[1], 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
-        if teacher is not None and step == 1:
+        if teacher is not None and len(history) == first_logged:  # this process's first step (also after a resume)
             log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data), 3)
         if out_of_time:
             log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
