@@ -479,25 +479,24 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     first_logged = len(history)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
-        sums = None  # (loss, grad norm, kl per step..., top1 per step...) on the device: one transfer per step
+        sums = None  # (loss, kl per draft step..., top1 per draft step...) on the device
         for micro in range(cfg.grad_accum):
             indices = order.indices(step * cfg.grad_accum + micro)
             tokens, weights = _batch(train_data, indices, device)
             states = teacher.gather(indices, device) if teacher is not None else None
             loss, parts = distill_loss(target, draft, tokens, weights, cfg, states)
             (loss / cfg.grad_accum).backward()
-            row = torch.cat([loss.detach()[None], loss.new_zeros(1), parts["kl"], parts["top1"]]) / cfg.grad_accum
+            row = torch.cat([loss.detach()[None], parts["kl"], parts["top1"]]) / cfg.grad_accum
             sums = row if sums is None else sums + row
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip)
-        sums[1] = grad_norm
         optimizer.step()
         scheduler.step()
         step += 1
         out_of_time = clock is not None and clock() >= 1.0
-        values = sums.tolist()
-        n_steps = (len(values) - 2) // 2
-        log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[2 : 2 + n_steps], 4).tolist(),
-               "top1_by_step": np.round(values[2 + n_steps :], 4).tolist(), "grad_norm": round(values[1], 4),
+        *values, norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()  # the step's one host transfer
+        n = len(parts["kl"])
+        log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[1 : 1 + n], 4).tolist(),
+               "top1_by_step": np.round(values[1 + n :], 4).tolist(), "grad_norm": round(norm, 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
         if teacher is not None and len(history) == first_logged:  # this process's first step (also after a resume)
             log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data), 3)

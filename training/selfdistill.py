@@ -70,7 +70,6 @@ def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_
     return replies
 
 
-
 def greedy_and_sampled(model, tokenizer, domain: str, rows, num_prompts: int, sampled: int = 0,
                        temperature: float = 0.8, max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
                        progress: bool = True) -> tuple[dict[str, list[int]], list[dict[str, list[int]]]]:
