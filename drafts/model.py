@@ -55,10 +55,15 @@ class DraftModel(nn.Module):
         self.shared_layers = config.shared_layers
         self.adapter_layers = config.adapter_layers
         self.feature_input = config.feature_input
+        self.feature_layers = config.feature_layers
         # Held in a list so they are neither registered nor saved: the target owns them.
         self._target = [target]
         h = args.hidden_size
         self.fuse = nn.Linear(2 * h, h, bias=False) if config.feature_input == "deep" else None
+        # Extra target layers' states and the final state -> one H-wide feature (the draft's own
+        # proxy stands in for it at later draft steps, as for final-only drafts).
+        k = len(config.feature_layers)
+        self.feat_proj = nn.Linear((k + 1) * h, h, bias=False) if k else None
         self.adapters = nn.ModuleList(DecoderLayer(args) for _ in range(config.adapter_layers))
         self.out_norm = RMSNorm(h, args.rms_norm_eps)
         k = config.head_vocab
@@ -87,10 +92,13 @@ class DraftModel(nn.Module):
                 if src < t.args.num_layers:
                     layer.load_state_dict(t.layers[src].state_dict())
             self.out_norm.weight.copy_(t.norm.weight)
+            h = t.args.hidden_size
             if self.fuse is not None:
-                h = t.args.hidden_size
                 self.fuse.weight.zero_()
                 self.fuse.weight[:, :h].copy_(torch.eye(h))
+            if self.feat_proj is not None:  # starts as the final state alone: a final-only draft
+                self.feat_proj.weight.zero_()
+                self.feat_proj.weight[:, -h:].copy_(torch.eye(h))
             self.head.fc2.weight.mul_(0.0 if self.head.tied else 1.0)
             if self.head.tied:
                 self.head.fc2.bias.zero_()
@@ -106,6 +114,18 @@ class DraftModel(nn.Module):
         for i, layer in enumerate(self.adapters):
             x = layer(x, ctx, i)
         return x
+
+    def target_features(self, final: torch.Tensor, captured: tuple[torch.Tensor, ...] | list = ()) -> torch.Tensor:
+        """(..., H) feature from the target's states at one position: its final hidden state, and with
+        `feature_layers` the residual streams after those layers (`captured`, in order), each RMS-scaled
+        (their norms grow with depth), concatenated and projected."""
+        if self.feat_proj is None:
+            return final
+        if len(captured) != len(self.feature_layers):
+            raise ValueError(f"expected the states after target layers {list(self.feature_layers)}, got {len(captured)}")
+        parts = [(c.float() * torch.rsqrt(c.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(final.dtype)
+                 for c in captured]
+        return self.feat_proj(torch.cat([*parts, final], dim=-1))
 
     def set_vocab(self, token_ids: torch.Tensor) -> None:
         """Use these K token ids (most frequent first) as the head's sub-vocabulary."""

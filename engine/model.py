@@ -213,6 +213,7 @@ class ForwardOutput:
     hidden: torch.Tensor  # (B, T, H) residual stream after the last layer run
     final_hidden: torch.Tensor | None  # (B, T', H) after the final norm, when the range ends the model
     logits: torch.Tensor | None  # (B, T', V) when the range ends the model and logits were asked for
+    captured: tuple[torch.Tensor, ...] = ()  # (B, T, H) residual stream after each layer count in `capture`
 
 
 class Transformer(nn.Module):
@@ -285,11 +286,14 @@ class Transformer(nn.Module):
         logits_index: torch.Tensor | None = None,
         compute_logits: bool = True,
         ctx: StepContext | None = None,
+        capture: tuple[int, ...] = (),
     ) -> ForwardOutput:
         """Run layers `layers` (default: all) on tokens (B, T) or on hidden (B, T, H) at input_pos (B, T).
 
         Cache layer i holds model layer i. `logits_index` (B,) picks one position per row for the
         final norm and logits (e.g. each row's last prompt token); None keeps all T positions.
+        `capture`: layer counts c (increasing, layers.start < c < layers.stop) whose residual stream
+        (after layers [0, c)) is returned in `captured`, in order (a deep draft's extra features).
         """
         layers = layers if layers is not None else range(self.args.num_layers)
         if hidden is None:
@@ -297,27 +301,34 @@ class Transformer(nn.Module):
                 raise ValueError(f"a layer range starting at {layers.start} needs the hidden states entering it")
             hidden = self.embed_tokens(tokens)  # (B, T, H)
         ctx = ctx or self.context(input_pos, cache, rows, kv_len)
-        if self._fused_ops is not None:
-            hidden = self._fused_layers(hidden, layers, ctx)
-        else:
-            for i in layers:
-                hidden = self.layers[i](hidden, ctx, i)
+        if any(not layers.start < c < layers.stop for c in capture) or list(capture) != sorted(set(capture)):
+            raise ValueError(f"capture {capture} must be increasing layer counts inside ({layers.start}, {layers.stop})")
+        captured = []
+        for start, stop in zip((layers.start, *capture), (*capture, layers.stop)):
+            if self._fused_ops is not None:
+                hidden = self._fused_layers(hidden, range(start, stop), ctx)
+            else:
+                for i in range(start, stop):
+                    hidden = self.layers[i](hidden, ctx, i)
+            if stop != layers.stop:
+                captured.append(hidden)
+        captured = tuple(captured)
         if layers.stop != self.args.num_layers:
-            return ForwardOutput(hidden, None, None)
+            return ForwardOutput(hidden, None, None, captured)
         final = hidden
         if logits_index is not None:
             final = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_index][:, None]  # (B, 1, H)
         if final.dtype == torch.float32:
             final = self.norm(final)
             logits = self.lm_head(final) if compute_logits else None
-            return ForwardOutput(hidden, final, logits)
+            return ForwardOutput(hidden, final, logits, captured)
         # Low-precision models: the final norm and the vocabulary projection run in fp32. Greedy
         # decisions are argmaxes over the logits; bf16 logits (8-bit mantissa) tie and flip often,
         # and would make speculative and plain decoding disagree more than their hidden states do.
         x = final.float()
         x = self.norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.eps))
         logits = F.linear(x, self._lm_head_fp32()) if compute_logits else None
-        return ForwardOutput(hidden, x.to(final.dtype), logits)
+        return ForwardOutput(hidden, x.to(final.dtype), logits, captured)
 
     # ----- the fused inference path (engine/fused.py) ---------------------------------------------
     def fuse_for_inference(self, compile: bool | None = None, **kwargs) -> "Transformer":

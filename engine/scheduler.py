@@ -38,6 +38,7 @@ class DecodeEngine:
         cuda_graphs: bool | str | None = None,
         ar_steps_per_sync: int | None = None,
         mixed_round_graph: bool = False,
+        min_admit: int = 1,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -48,7 +49,13 @@ class DecodeEngine:
         (1, 2, 4, ... max_batch_size) with its rows as a graph input; padding rows point at one extra
         scratch cache row, so one graph serves every set of rows of that bucket.
         mixed_round_graph: greedy rounds of a batch mixing drafts as one drafting graph too (one graph per
-        mix of drafts and their row counts; see `engine.speculative._captured_greedy_round`)."""
+        mix of drafts and their row counts; see `engine.speculative._captured_greedy_round`).
+        min_admit: while rows run, admit waiting requests only once this many rows are free (or every
+        waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
+        few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others."""
+        if min_admit < 1:
+            raise ValueError(f"min_admit must be >= 1, got {min_admit}")
+        self.min_admit = min_admit
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec or SpecConfig()
@@ -77,6 +84,7 @@ class DecodeEngine:
         hidden = model.args.hidden_size
         self._deep_ready = False
         self._hidden = hidden
+        self.feature_layers: tuple[int, ...] = ()  # target layer counts whose states some draft fuses in
 
     # ----- drafts -------------------------------------------------------------------------
     def add_draft(self, name: str, draft: Draft) -> None:
@@ -95,6 +103,10 @@ class DecodeEngine:
                 raise ValueError(f"draft {name!r} needs {need} adapter layers, more than the running drafts' cache holds; "
                                  "load it while no speculative request runs")
             self.draft_cache = self._new_draft_cache(need)
+        bad = [c for c in getattr(draft, "feature_layers", ()) if not draft.shared_layers < c < self.model.args.num_layers]
+        if bad:
+            raise ValueError(f"draft {name!r} fuses the states after target layers {bad}; they must lie strictly "
+                             f"between its trunk ({draft.shared_layers} layers) and the target's {self.model.args.num_layers}")
         if draft.feature_input == "deep" and not self._deep_ready:
             b, h, w = self.cache_rows, self._hidden, self.spec.num_speculative_tokens + 2
             self.last_feature = torch.zeros(b, h, device=self.device, dtype=self.dtype)
@@ -106,11 +118,26 @@ class DecodeEngine:
         if old is not None and old is not draft:
             self.graphs.discard(id(old))  # running rows keep the old draft: their graphs are captured again
         self.drafts[name] = draft
+        self._update_feature_layers()
 
     def remove_draft(self, name: str) -> None:
         old = self.drafts.pop(name, None)
         if old is not None:
             self.graphs.discard(id(old))
+        self._update_feature_layers()
+
+    def _update_feature_layers(self) -> None:
+        # Rows that started with a replaced draft keep it: their layers stay in the union while they run.
+        drafts = [*self.drafts.values(), *(s.draft for s in self.slots if s is not None and s.draft is not None)]
+        self.feature_layers = tuple(sorted({c for d in drafts for c in getattr(d, "feature_layers", ())}))
+
+    def draft_features(self, draft, final: torch.Tensor, captured) -> torch.Tensor:
+        """A deep draft's feature input from the target's final states and the states `captured` after
+        the engine's `feature_layers` (the union over its drafts): (..., H)."""
+        layers = getattr(draft, "feature_layers", ())
+        if not layers:
+            return final
+        return draft.target_features(final, [captured[self.feature_layers.index(c)] for c in layers])
 
     def _new_draft_cache(self, layers: int) -> KVCache:
         args = self.model.args
@@ -262,6 +289,8 @@ class DecodeEngine:
 
     def _admit(self) -> list[RequestOutput]:
         free = [i for i, s in enumerate(self.slots) if s is None]
+        if self.num_running and len(free) < min(self.min_admit, len(self.waiting)):
+            return []  # wait until a larger group of rows is free (min_admit)
         batch: list[SlotState] = []
         rows = self.num_running + min(len(free), len(self.waiting))  # the batch size these requests will run in
         while free and self.waiting:
@@ -303,17 +332,18 @@ class DecodeEngine:
         ctx = model.context(pos, self.cache, rows, t_max)
         trunk = model(tokens, pos, layers=range(0, n_trunk), cache=self.cache, rows=rows, ctx=ctx).hidden
         out = model(None, pos, layers=range(n_trunk, model.args.num_layers), hidden=trunk, cache=self.cache,
-                    rows=rows, logits_index=last, ctx=ctx)
+                    rows=rows, logits_index=last, ctx=ctx, capture=self.feature_layers if spec else ())
         first = self._sample(batch, out.logits[:, 0])
         if spec:
-            self._prefill_drafts([batch[i] for i in spec], trunk[spec], out.hidden[spec], pos[spec], last[spec], t_max)
+            self._prefill_drafts([batch[i] for i in spec], trunk[spec], out.hidden[spec], pos[spec], last[spec], t_max,
+                                 [c[spec] for c in out.captured])
         results = []
         for s, tok, n in zip(batch, first, lens):
             s.length = n
             results.append(self._commit(s, [tok]))
         return results
 
-    def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max) -> None:
+    def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max, captured=()) -> None:
         """Fill the adapters' KV over the prompts (the trunk's is already in the target cache)."""
         model = self.model
         rows = torch.tensor([s.slot for s in batch], device=self.device)
@@ -328,8 +358,9 @@ class DecodeEngine:
             if draft.feature_input == "deep":
                 if final is None:
                     final = model.norm(hidden)  # (b, T, H) the target's final hidden states
-                # The feature at position q is the target's hidden state at q - 1 (zeros at q = 0).
-                feats = torch.cat([torch.zeros_like(final[sel, :1]), final[sel, :-1]], dim=1)
+                target_feats = self.draft_features(draft, final[sel], [c[sel] for c in captured])  # (g, T, H)
+                # The feature at position q is the target's state at q - 1 (zeros at q = 0).
+                feats = torch.cat([torch.zeros_like(target_feats[:, :1]), target_feats[:, :-1]], dim=1)
             if isinstance(self.draft_cache, WindowedKVCache):
                 self._prefill_windowed(draft, [batch[i] for i in idx], trunk[sel], feats, last[sel])
             else:
@@ -338,7 +369,7 @@ class DecodeEngine:
             if draft.feature_input == "deep":
                 g_rows = rows[sel]
                 ar = torch.arange(len(idx), device=self.device)
-                self.last_feature[g_rows] = final[sel][ar, last[sel]]
+                self.last_feature[g_rows] = target_feats[ar, last[sel]]
                 self.round_start[g_rows] = last[sel] + 1
                 self.round_feat[g_rows, 0] = self.last_feature[g_rows]
 
@@ -389,7 +420,7 @@ class DecodeEngine:
             return [row[:steps] for row in new]  # steps past `steps` wrote KV inside the margin; never visible
         new = []
         for i in range(steps):
-            _, _, logits = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows,
+            _, _, logits, _ = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows,
                                            int(max(s.length for s in batch)) + i + 1)
             tokens = self._sample_device(batch, logits[:, -1])[:, None]
             new.append(tokens)
@@ -456,20 +487,24 @@ class DecodeEngine:
         outs = self.graphs.run(key + ("bucket",), fn, {**inputs, "rows": padded}, owners)
         return tuple(o[:n] if o is not None else None for o in outs)
 
-    def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int):
-        """Target layers `layers` on tokens (b, T) or hidden (b, T, H) -> (hidden, final_hidden, logits)."""
+    def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int, capture: tuple[int, ...] = ()):
+        """Target layers `layers` on tokens (b, T) or hidden (b, T, H) -> (hidden, final_hidden, logits,
+        captured): `captured` holds the (b, T, H) states after each layer count in `capture`."""
         kv_len = self.kv_bucket(kv_len)
         model, cache = self.model, self.cache
 
         def fn(input_pos, tokens=None, hidden=None, rows=rows):
-            out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len)
-            return out.hidden, out.final_hidden, out.logits
+            out = model(tokens, input_pos, layers=layers, hidden=hidden, cache=cache, rows=rows, kv_len=kv_len,
+                        capture=capture)
+            return out.hidden, out.final_hidden, out.logits, *out.captured
 
         inputs = {"input_pos": input_pos}
         inputs["tokens" if hidden is None else "hidden"] = tokens if hidden is None else hidden
         if not self.graphs.enabled:
-            return fn(**inputs)
-        return self.run_graph(("target", layers.start, layers.stop, kv_len), fn, rows, inputs)
+            outs = fn(**inputs)
+        else:
+            outs = self.run_graph(("target", layers.start, layers.stop, kv_len, capture), fn, rows, inputs)
+        return (*outs[:3], tuple(outs[3:]))
 
     def run_draft(self, draft, trunk_hidden, features, input_pos, rows, kv_len: int, pick=None, with_head: bool = True):
         """Adapters (+ head) of one draft -> (out (g, H), logits (g, V) or None, proxy feature (g, H) or None).
@@ -519,16 +554,17 @@ class DecodeEngine:
         positions = start[:, None] + torch.arange(window.shape[1], device=self.device)[None]
         return window, feats, index, positions
 
-    def store_deep_round(self, rows, pos0, trunk_seq, final_seq, num_accepted) -> None:
-        """Remember a round's verified trunk/target states for the next round's window."""
+    def store_deep_round(self, rows, pos0, trunk_seq, feat_seq, num_accepted) -> None:
+        """Remember a round's verified trunk states and target features (`draft_features` of each row's
+        draft, (b, n, H)) for the next round's window."""
         n = min(trunk_seq.shape[1], self.round_trunk.shape[1] - 1)
         ar = torch.arange(len(rows), device=self.device)
         self.round_trunk[rows, :n] = trunk_seq[:, :n].to(self.dtype)
-        # Features for positions pos0 .. pos0 + n: the target's hidden one position earlier.
+        # Features for positions pos0 .. pos0 + n: the target's state one position earlier.
         self.round_feat[rows, 0] = self.last_feature[rows]
-        self.round_feat[rows, 1 : n + 1] = final_seq[:, :n].to(self.dtype)
+        self.round_feat[rows, 1 : n + 1] = feat_seq[:, :n].to(self.dtype)
         self.round_start[rows] = pos0
-        self.last_feature[rows] = final_seq[ar, num_accepted].to(self.dtype)
+        self.last_feature[rows] = feat_seq[ar, num_accepted].to(self.dtype)
 
     # ----- results ------------------------------------------------------------------------
     def _commit(self, s: SlotState, new_tokens: list[int]) -> RequestOutput:

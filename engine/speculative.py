@@ -38,6 +38,7 @@ class Draft(Protocol):
     shared_layers: int  # N: target layers [0, N) form the trunk
     adapter_layers: int  # A: the draft's own decoder layers
     feature_input: str  # "none" | "deep" (target's last hidden state at the previous position fused in)
+    feature_layers: tuple[int, ...]  # deep drafts: target layer counts whose states are fused in too (may be empty)
 
     def adapters_forward(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, ctx: StepContext) -> torch.Tensor:
         """Adapter layers on (b, T, H) trunk hidden states (+ (b, T, H) features); writes adapter KV via ctx."""
@@ -48,7 +49,12 @@ class Draft(Protocol):
         ...
 
     def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(b, H) adapter output -> (b, H) stand-in for the target's hidden state (deep drafts)."""
+        """(b, H) adapter output -> (b, H) stand-in for the target's feature (deep drafts)."""
+        ...
+
+    def target_features(self, final: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
+        """The target's final states (..., H) and its states after `feature_layers` -> (..., H) feature
+        input (deep drafts with feature_layers; the engine passes the final states alone otherwise)."""
         ...
 
 
@@ -134,7 +140,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
 
     def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
         """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,)."""
-        trunk, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
+        trunk, _, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
         logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype) if with_head else None
         for draft, idx, g_rows in groups.items:
             if not with_head and draft.feature_input == "deep":
@@ -162,7 +168,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     passes = torch.zeros(b, dtype=torch.long, device=device)
     drafted_tokens: list[torch.Tensor] = []
     verify_trunk: list[torch.Tensor] = []  # trunk hidden states that entered verification, in order
-    verify_final: list[torch.Tensor] = []  # the target's final hidden states for them (deep drafts)
+    verify_final: list[tuple] = []  # the target's final hidden states for them, and its captured states (deep drafts)
 
     trunk, draft_logits = draft_step(pending, pos0, first=True, with_head=True)
     queued = [trunk]  # trunk states not yet run through the deep layers
@@ -202,12 +208,13 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         q_hidden = torch.cat(queued, dim=1)  # (b, n_in, H); block 0: [t0, d1..dk], later: the block's k
         n_in = q_hidden.shape[1]
         q_pos = pos0[:, None] + q_start + torch.arange(n_in, device=device)[None]  # (b, n_in)
-        _, final_hidden, target_logits = eng.run_target(None, q_pos, range(n_trunk, model.args.num_layers), q_hidden,
-                                                        rows, kv_len)  # target_logits (b, n_in, V)
+        _, final_hidden, target_logits, captured = eng.run_target(
+            None, q_pos, range(n_trunk, model.args.num_layers), q_hidden, rows, kv_len,
+            eng.feature_layers if deep_rows else ())  # target_logits (b, n_in, V)
         queued = []
         q_start += n_in
         verify_trunk.append(q_hidden)
-        verify_final.append(final_hidden)
+        verify_final.append((final_hidden, captured))
         block_len = len(block_tokens)
         block = torch.stack(block_tokens, dim=1)  # (b, k)
         if greedy:
@@ -244,8 +251,15 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     tokens = [all_drafted[i][: acc[i]] + [fin[i]] for i in range(b)]
     if deep_rows:
         trunk_seq = torch.cat(verify_trunk, dim=1)  # (b, n, H): positions pos0 .. pos0 + n - 1
-        final_seq = torch.cat(verify_final, dim=1)  # (b, n, H)
-        eng.store_deep_round(rows_t, pos0, trunk_seq, final_seq, num_accepted)
+        final_seq = torch.cat([f for f, _ in verify_final], dim=1)  # (b, n, H)
+        captured = [torch.cat(c, dim=1) for c in zip(*(c for _, c in verify_final))]
+        feat_seq = final_seq
+        if captured:  # some draft fuses extra layers: each row gets its own draft's features
+            feat_seq = final_seq.clone()
+            for draft, idx, _ in groups.items:
+                if draft.feature_input == "deep":
+                    feat_seq[idx] = eng.draft_features(draft, final_seq[idx], [c[idx] for c in captured]).to(feat_seq.dtype)
+        eng.store_deep_round(rows_t, pos0, trunk_seq, feat_seq, num_accepted)
     return RoundResult(tokens, acc, dr, ps)
 
 
@@ -279,6 +293,7 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         start += len(idx)
     n_trunk = groups[0][0].shared_layers
     any_deep = any(d.feature_input == "deep" for d, _, _ in groups)
+    capture = eng.feature_layers if any_deep else ()
     kv_len = eng.kv_bucket(kv_len)
     draft_kv = eng.draft_kv_len(kv_len)
 
@@ -328,13 +343,17 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         # matching prefix, and the deep drafts' features for the next round.
         q_pos = pos0[:, None] + torch.arange(gamma + 1, device=pos0.device)[None]  # (bucket, gamma + 1)
         out = model(None, q_pos, layers=range(n_trunk, model.args.num_layers), hidden=trunks, cache=eng.cache,
-                    rows=rows, kv_len=kv_len)
+                    rows=rows, kv_len=kv_len, capture=capture)
         res = verify_greedy(drafted, out.logits)
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
-            eng.store_deep_round(rows_t, pos0, trunks, out.final_hidden, res.num_accepted)
+            feats = out.final_hidden
+            if capture:  # each draft's rows get its own features (the groups cover every row, padding included)
+                feats = torch.cat([eng.draft_features(d, feats[a:z], [c[a:z] for c in out.captured]).to(feats.dtype)
+                                   for d, a, z in groups])
+            eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    key = ("greedy-round", tuple((a, z) for _, a, z in groups), kv_len, gamma)
+    key = ("greedy-round", tuple((a, z) for _, a, z in groups), kv_len, gamma, capture)
     (packed,) = eng.run_graph(key, round_all, rows, {"pending": pending, "pos0": pos0},
                               owners=tuple(id(d) for d, _, _ in groups))
     packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row

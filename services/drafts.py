@@ -72,7 +72,12 @@ def check_draft(draft, target, domain: str, version: str) -> None:
             tokens = torch.arange(4, device=weight.device)[None]  # (1, 4)
             pos = torch.arange(4, device=weight.device)[None]
             trunk = target(tokens, pos, layers=range(0, draft.shared_layers), compute_logits=False).hidden
-            feats = torch.zeros_like(trunk) if draft.feature_input == "deep" else None
+            feats = None
+            if draft.feature_input == "deep":
+                feats = torch.zeros_like(trunk)
+                layers = getattr(draft, "feature_layers", ())
+                if layers:  # through the feature projection too: its weights are checked as well
+                    feats = draft.target_features(feats, [feats] * len(layers))
             scores, _ = draft.forward_train(trunk, feats, pos)
         if not torch.isfinite(scores.float()).all():
             raise DraftRefused(f"draft {domain}/{version} produces non-finite scores: its weights are corrupt")

@@ -83,6 +83,14 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=1) from exc
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    """'10,20' -> [10, 20]; '' -> []."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} takes a comma list of integers such as 10,20, got {text!r}") from None
+
+
 def _errors() -> tuple[type[Exception], ...]:
     from drafts.checkpoint import DraftLoadError
     from drafts.store import StoreError
@@ -252,6 +260,9 @@ def train_draft(
     head: Annotated[str, typer.Option(help="mlp or mlp_tied.")] = "mlp_tied",
     feature_input: Annotated[str, typer.Option(help="deep or none.")] = "deep",
     head_vocab: Annotated[int, typer.Option(help="Sub-vocabulary size K (0: full vocabulary).")] = 8192,
+    feature_layers: Annotated[str, typer.Option(
+        help="Deep drafts: comma list of target layer counts (between N and L) whose states are fused in "
+             "beside the final one, e.g. 10,20 ('': final state only).")] = "",
     self_distill: Annotated[int, typer.Option(help="Generate the target's replies to this many training prompts first (0: off).")] = 0,
     self_distill_tokens: Annotated[int, typer.Option(help="Max tokens per self-distilled reply.")] = 128,
     self_distill_sampled: Annotated[int, typer.Option(
@@ -281,7 +292,8 @@ def train_draft(
         run_dir = out or flashspec_home() / "runs" / domain
         cfg = TrainConfig(
             domain=domain, shared_layers=shared_layers, adapter_layers=adapter_layers, head=head,
-            feature_input=feature_input, head_vocab=head_vocab or None, steps=steps, max_seconds=max_seconds,
+            feature_input=feature_input, head_vocab=head_vocab or None, feature_layers=_int_list(feature_layers, "--feature-layers"),
+            steps=steps, max_seconds=max_seconds,
             batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,
             ce_weight=ce_weight, rollout_steps=rollout_steps, teacher_cache_gb=teacher_cache_gb, seed=seed, device=device, out_dir=str(run_dir),

@@ -85,7 +85,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     cfg = TrainConfig(domain=domain_name, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr_adapters=args.lr_adapters, lr_head=args.lr_head, warmup_steps=args.steps // 20,
                       eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
-                      max_seconds=max_seconds,
+                      max_seconds=max_seconds, teacher_cache_gb=args.teacher_cache_gb,
                       out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False, **shape)
     data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
@@ -176,6 +176,10 @@ def main() -> None:
     t.add_argument("--out", type=Path, required=True)
     t.add_argument("--domains", default="code,general,dialog", help="comma list; 'mixed' trains one draft on all three")
     t.add_argument("--shape", choices=tuple(SHAPES), default="demo")
+    t.add_argument("--feature-layers", default=None,
+                   help="comma list of target layer counts fused in beside the final state (overrides the shape's)")
+    t.add_argument("--teacher-cache-gb", type=float, default=32.0,
+                   help="device memory for the target's cached states (train-draft --teacher-cache-gb)")
     t.add_argument("--tag", default="demo")
     t.add_argument("--version", default="demo-v6")
     t.add_argument("--device", default="cuda")
@@ -219,6 +223,8 @@ def main() -> None:
         matrix(args, loaded)
         return
     shape = SHAPES[args.shape]
+    if args.feature_layers is not None:
+        shape = {**shape, "feature_layers": [int(x) for x in args.feature_layers.split(",") if x.strip()]}
     data = {d: json.load(gzip.open(args.data / f"{d}.json.gz", "rt")) for d in DOMAINS}
     for domain in args.domains.split(","):
         names = DOMAINS if domain == "mixed" else (domain,)

@@ -49,6 +49,8 @@ class TrainConfig(BaseModel):
     head: Literal["mlp", "mlp_tied"] = Field("mlp_tied", description="Head type (mlp_tied reuses the target's lm_head).")
     feature_input: Literal["none", "deep"] = Field("deep", description="'deep': fuse the target's last hidden state in.")
     head_vocab: Optional[int] = Field(8192, description="Sub-vocabulary size K (most frequent tokens); None = full vocab.")
+    feature_layers: list[int] = Field(default_factory=list, description="Deep drafts: target layer counts (between N "
+                                      "and L) whose states at the previous position are fused in beside the final one.")
     init_from_target: bool = Field(True, description="Adapters start as copies of target layers [N, N+A).")
     # Optimisation.
     steps: int = Field(300, ge=1, description="Optimizer steps.")
@@ -87,7 +89,7 @@ class TrainConfig(BaseModel):
     def draft_config(self) -> DraftConfig:
         return DraftConfig(shared_layers=self.shared_layers, adapter_layers=self.adapter_layers, head=self.head,
                            feature_input=self.feature_input, init_from_target=self.init_from_target,
-                           head_vocab=self.head_vocab)
+                           head_vocab=self.head_vocab, feature_layers=tuple(self.feature_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,14 +217,16 @@ def _shift(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def target_states(target: Transformer, tokens: torch.Tensor, n_trunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target on right-padded tokens (B, T): trunk hidden (B, T, H) and final hidden (B, T, H)."""
+def target_states(target: Transformer, tokens: torch.Tensor, n_trunk: int,
+                  capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The target on right-padded tokens (B, T): trunk hidden (B, T, H), final hidden (B, T, H) and the
+    states (B, T, H) after each layer count in `capture` (a draft's `feature_layers`)."""
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # (B, T)
     with _autocast(tokens.device):
         trunk = target(tokens, pos, layers=range(0, n_trunk)).hidden
-        final = target(None, pos, layers=range(n_trunk, target.args.num_layers), hidden=trunk,
-                       compute_logits=False).final_hidden
-    return trunk, final
+        out = target(None, pos, layers=range(n_trunk, target.args.num_layers), hidden=trunk,
+                     compute_logits=False, capture=tuple(capture))
+    return trunk, out.final_hidden, out.captured
 
 
 @torch.no_grad()
@@ -234,17 +238,18 @@ def target_logits(target: Transformer, final: torch.Tensor, vocab_ids: torch.Ten
 
 
 class TeacherCache:
-    """The target's trunk and final hidden states for every token of the training set, in device memory.
+    """The target's trunk, final (and `capture`d) hidden states for every token of the training set, in device memory.
 
     Distillation runs the whole target once per batch, and a training run passes over a few thousand
     sequences tens of times: the target's forward pass is most of a step. The target is frozen and
     attention is causal, so a token's states do not depend on the epoch or on the padding of its
     batch; they are computed once (sequences sorted by length, little padding) and gathered per
     batch. Logits are recomputed from the final states (one small projection), so the cache holds
-    2 x H values per token, not a vocabulary's worth.
+    (2 + len(capture)) x H values per token, not a vocabulary's worth.
     """
 
-    def __init__(self, target: Transformer, data: TokenData, n_trunk: int, device: torch.device, batch_size: int = 64):
+    def __init__(self, target: Transformer, data: TokenData, n_trunk: int, device: torch.device, batch_size: int = 64,
+                 capture: tuple[int, ...] = ()):
         lengths = [len(s) for s in data.sequences]
         self.offsets = np.concatenate([[0], np.cumsum(lengths)])
         total, h = int(self.offsets[-1]), target.args.hidden_size
@@ -252,40 +257,46 @@ class TeacherCache:
         # One extra zero row at the end: where padding positions point.
         self.trunk = torch.zeros(total + 1, h, dtype=dtype, device=device)
         self.final = torch.zeros(total + 1, h, dtype=dtype, device=device)
+        self.captured = tuple(torch.zeros(total + 1, h, dtype=dtype, device=device) for _ in capture)
         order = np.argsort(lengths, kind="stable")
         for start in range(0, len(order), batch_size):
             idx = [int(i) for i in order[start : start + batch_size]]
             tokens, _ = _batch(data, idx, device)
-            trunk, final = target_states(target, tokens, n_trunk)
+            trunk, final, captured = target_states(target, tokens, n_trunk, capture)
             for row, i in enumerate(idx):
                 a, b = int(self.offsets[i]), int(self.offsets[i + 1])
                 self.trunk[a:b] = trunk[row, : b - a]
                 self.final[a:b] = final[row, : b - a]
+                for store, c in zip(self.captured, captured):
+                    store[a:b] = c[row, : b - a]
         self.lengths = lengths
 
     @staticmethod
-    def size_gb(target: Transformer, data: TokenData) -> float:
+    def size_gb(target: Transformer, data: TokenData, capture: tuple[int, ...] = ()) -> float:
         tokens = sum(len(s) for s in data.sequences) + 1
-        return 2 * tokens * target.args.hidden_size * target.embed_tokens.weight.element_size() / 1e9
+        per_token = (2 + len(capture)) * target.args.hidden_size * target.embed_tokens.weight.element_size()
+        return tokens * per_token / 1e9
 
-    def gather(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Trunk and final hidden (B, T, H) of these sequences, right-padded with zeros like `_batch`."""
+    def gather(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Trunk, final and captured hidden (B, T, H) of these sequences, right-padded with zeros like `_batch`."""
         t = max(self.lengths[i] for i in indices)
         pad = len(self.trunk) - 1
         flat = np.full((len(indices), t), pad, dtype=np.int64)
         for row, i in enumerate(indices):
             flat[row, : self.lengths[i]] = np.arange(self.offsets[i], self.offsets[i + 1])
         flat = torch.from_numpy(flat).to(device)
-        return self.trunk[flat], self.final[flat]
+        return self.trunk[flat], self.final[flat], tuple(c[flat] for c in self.captured)
 
 
 def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
-                 cfg: TrainConfig, states: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+                 cfg: TrainConfig, states: tuple | None = None) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft
     step, as tensors (one host transfer when the caller reads them). `states`: the target's trunk and
-    final hidden states of these tokens when already known (`TeacherCache`); else the target runs."""
+    final (and captured) hidden states of these tokens when already known (`TeacherCache`); else the target runs."""
     vocab_ids = draft.vocab_ids
-    trunk, final = states if states is not None else target_states(target, tokens, draft.shared_layers)
+    if states is None:
+        states = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
+    trunk, final, captured = states
     pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     logits = target_logits(target, final, vocab_ids)
     target_logp = F.log_softmax(logits, dim=-1)  # (B, T, K): renormalized over the sub-vocabulary
@@ -305,10 +316,10 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
         else:
             ce_labels = nxt.masked_fill(nxt < 0, -100)
         ce_labels = ce_labels.masked_fill(weights == 0, -100)
-    feats = _shift(final) if deep else None
     total = torch.zeros((), device=tokens.device)
     parts: dict = {"kl": [], "top1": []}
     with _autocast(tokens.device):
+        feats = _shift(draft.target_features(final, captured)) if deep else None
         for k in range(steps):
             scores, out = draft.forward_train(trunk, feats, pos)  # (B, T, K), (B, T, H)
             draft_logp = F.log_softmax(scores.float(), dim=-1)
@@ -318,7 +329,7 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
                 ce = F.nll_loss(draft_logp.flatten(0, 1), ce_labels.flatten(), ignore_index=-100)
                 loss = loss + cfg.ce_weight * ce
             if deep:
-                proxy = draft.proxy_feature(out)  # (B, T, H): stands in for final[:, t] at the next position
+                proxy = draft.proxy_feature(out)  # (B, T, H): stands in for the target's feature at the next position
                 if cfg.feature_weight > 0:
                     reg = F.smooth_l1_loss(proxy.float(), final.float(), reduction="none").mean(-1)
                     loss = loss + cfg.feature_weight * (reg * weights).sum() / denom
@@ -401,7 +412,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-_RESUME_KEYS = ("domain", "shared_layers", "adapter_layers", "head", "feature_input", "head_vocab", "batch_size",
+_RESUME_KEYS = ("domain", "shared_layers", "adapter_layers", "head", "feature_input", "feature_layers", "head_vocab", "batch_size",
                 "grad_accum", "seq_len", "seed", "rollout_steps")
 
 
@@ -411,6 +422,7 @@ def _load_checkpoint(path: Path, cfg: TrainConfig, fingerprint: str) -> dict:
         raise TrainError(f"{path} was written for another target (fingerprint {state['fingerprint'][:12]}, this target "
                          f"{fingerprint[:12]}); resume with the same --target, or start over with a new --out or --no-resume")
     saved = state["config"]
+    saved = {"feature_layers": [], **saved}  # checkpoints from before feature_layers existed had none
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
@@ -464,8 +476,9 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     log_file = out_dir / "train_log.jsonl"
     started = time.perf_counter()  # the teacher cache is built on the loop's clock
     teacher = None
-    if cfg.teacher_cache_gb > 0 and TeacherCache.size_gb(target, train_data) <= cfg.teacher_cache_gb:
-        teacher = TeacherCache(target, train_data, draft.shared_layers, device)
+    capture = draft.feature_layers
+    if cfg.teacher_cache_gb > 0 and TeacherCache.size_gb(target, train_data, capture) <= cfg.teacher_cache_gb:
+        teacher = TeacherCache(target, train_data, draft.shared_layers, device, capture=capture)
 
     def save() -> None:
         tmp = ckpt_path.with_name(f".state.pt.tmp-{os.getpid()}")
@@ -499,7 +512,7 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
                "top1_by_step": np.round(values[1 + n :], 4).tolist(), "grad_norm": round(norm, 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
         if teacher is not None and len(history) == first_logged:  # this process's first step (also after a resume)
-            log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data), 3)
+            log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data, capture), 3)
         if out_of_time:
             log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
         if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):

@@ -50,14 +50,17 @@ def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_
     chosen = [(p, i) for p, i in zip(prompts, ids) if 0 < len(i) <= max_prompt_tokens][:num_prompts]
     if not chosen:
         raise ValueError(f"no {domain} prompt has at most {max_prompt_tokens} tokens; raise max_prompt_tokens")
-    engine = DecodeEngine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8)
+    # Rows finish a few at a time: admitting a quarter of the batch at once makes one prefill pass of many
+    # prompts instead of one pass per step for one or two (offline work: no request waits on a user).
+    engine = DecodeEngine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8,
+                          min_admit=max(1, batch_size // 4))
     def params(index: int) -> SamplingParams:
         if temperature == 0:
             return SamplingParams(max_new_tokens=max_new_tokens)
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed * 1_000_003 + index)
 
     replies: dict[str, list[int]] = {}
-    chunk = batch_size * 4
+    chunk = batch_size * 16  # prompts per generate call: the batch drains only at each chunk's end
     for start in tqdm(range(0, len(chosen), chunk), desc=f"self-distill {domain}", disable=not progress):
         part = chosen[start : start + chunk]
         part_params = [params(start + j) for j in range(len(part))]

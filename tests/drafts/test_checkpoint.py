@@ -62,6 +62,34 @@ def test_round_trip_keeps_every_tensor_and_writes_the_manifest(tmp_path):
         assert torch.allclose(draft.forward_train(x, x, pos)[0], loaded.forward_train(x, x, pos)[0])
 
 
+def test_a_draft_fusing_extra_layers_round_trips(tmp_path):
+    target = tiny_target()
+    config = DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=32,
+                         feature_layers=(2, 3))
+    draft = trained_like_draft(target, config)
+    folder = save_draft(draft, tmp_path / "v1", "code", "v1", dtype=torch.float32)
+    manifest = read_manifest(folder)
+    assert manifest["draft_config"]["feature_layers"] == [2, 3] and "feat_proj.weight" in manifest["tensors"]
+    loaded = load_draft(folder, target)
+    assert loaded.feature_layers == (2, 3)
+    x = torch.randn(1, 5, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded.target_features(x, (x, x)), draft.target_features(x, (x, x)))
+
+
+def test_the_service_refuses_a_draft_whose_feature_projection_is_corrupt():
+    from services.drafts import DraftRefused, check_draft
+
+    target = tiny_target()
+    config = DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", feature_layers=(2,))
+    draft = trained_like_draft(target, config)
+    check_draft(draft, target, "code", "v1")
+    with torch.no_grad():
+        draft.feat_proj.weight[0, 0] = float("nan")
+    with pytest.raises(DraftRefused, match="non-finite"):
+        check_draft(draft, target, "code", "v1")
+
+
 def test_fp16_weights_load_in_the_targets_dtype(tmp_path):
     target = tiny_target()
     draft = trained_like_draft(target)

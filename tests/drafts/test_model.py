@@ -124,6 +124,8 @@ def test_deep_draft_uses_the_features(tiny_target):
         (dict(adapter_layers=-1), "adapter_layers"),
         (dict(head_vocab=1), "head_vocab"),
         (dict(adapter_layers=0, feature_input="deep"), "adapter layer"),
+        (dict(feature_layers=(2,)), "feature_input='deep'"),
+        (dict(feature_input="deep", feature_layers=(3, 2)), "increasing"),
     ],
 )
 def test_invalid_draft_config(kwargs, message):
@@ -140,3 +142,46 @@ def test_draft_config_resolve_and_round_trip():
     assert DraftConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown"):
         DraftConfig.from_dict({**config.to_dict(), "dropout": 0.1})
+
+
+def test_feature_layers_config_and_draft(tiny_target):
+    """Extra target layers fused in: range-checked against the trunk and the target, saved only when set,
+    and an initialised draft starts as the final-state-only draft (the projection picks the final state)."""
+    target = tiny_target.model
+    with pytest.raises(ValueError, match="strictly between"):
+        DraftConfig(shared_layers=2, feature_input="deep", feature_layers=(2,)).resolve(4)
+    with pytest.raises(ValueError, match="strictly between"):
+        DraftConfig(shared_layers=1, feature_input="deep", feature_layers=(4,)).resolve(4)
+    config = DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", feature_layers=[2, 3])
+    assert config.feature_layers == (2, 3) and DraftConfig.from_dict(config.to_dict()) == config
+    assert "feature_layers" not in DraftConfig(feature_input="deep").to_dict()  # older manifests stay as they were
+    draft = DraftModel(target, config)
+    draft.init_from_target()
+    tokens = torch.randint(2, target.args.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(6)[None]
+    with torch.no_grad():
+        out = target(tokens, pos, capture=(2, 3))
+        assert torch.equal(draft.target_features(out.final_hidden, out.captured), out.final_hidden)
+        with pytest.raises(ValueError, match="states after target layers"):
+            draft.target_features(out.final_hidden, out.captured[:1])
+        torch.nn.init.normal_(draft.feat_proj.weight, std=0.1)
+        a = draft.target_features(out.final_hidden, out.captured)
+        b = draft.target_features(out.final_hidden, (out.captured[0], torch.zeros_like(out.captured[1])))
+    assert not torch.allclose(a, b)  # the captured states matter
+    h = target.args.hidden_size
+    assert draft.feat_proj.weight.shape == (h, 3 * h)
+
+
+def test_capture_returns_the_states_after_those_layers(tiny_target):
+    target = tiny_target.model
+    tokens = torch.randint(2, target.args.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(5).expand(2, 5)
+    with torch.no_grad():
+        out = target(tokens, pos, capture=(1, 3))
+        plain = target(tokens, pos)
+        after1 = target(tokens, pos, layers=range(0, 1)).hidden
+        after3 = target(None, pos, layers=range(1, 3), hidden=after1).hidden
+    assert torch.equal(out.logits, plain.logits)
+    assert torch.equal(out.captured[0], after1) and torch.equal(out.captured[1], after3)
+    with pytest.raises(ValueError, match="capture"):
+        target(tokens, pos, capture=(0,))

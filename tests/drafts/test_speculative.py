@@ -138,6 +138,8 @@ def test_greedy_partially_trained_draft_is_lossless(target, gamma, block):
         pytest.param(lambda t: oracle(t, deep=True), id="deep-oracle"),
         pytest.param(lambda t: noisy(oracle(t, deep=True), 0.5), id="deep-partial"),
         pytest.param(lambda t: _sub_vocab(oracle(t, head_vocab=48)), id="head_vocab"),
+        pytest.param(lambda t: layered(t, (2, 3), scale=0.0), id="feature-layers-oracle"),
+        pytest.param(lambda t: layered(t, (2,)), id="feature-layers-partial"),
     ],
 )
 @pytest.mark.parametrize("gamma, block", [(5, 2), (3, 3)])
@@ -145,6 +147,26 @@ def test_greedy_draft_configs_are_lossless(target, make, gamma, block):
     draft = make(target)
     results = spec_generate(target, draft, SpecConfig(gamma, block))
     assert [r.token_ids for r in results] == ar_greedy(target)
+
+
+def layered(target, layers, scale=0.5, seed=7) -> DraftModel:
+    """A deep draft fusing the target's states after `layers` too: the oracle with noise on its adapters
+    and on the feature projection (scale 0: the oracle itself, whose projection picks the final state)."""
+    draft = noisy(oracle(target, deep=True, feature_layers=layers), scale, seed)
+    return with_features(draft, scale, seed) if scale else draft
+
+
+def with_features(draft: DraftModel, scale: float, seed: int = 7) -> DraftModel:
+    """Noise on the fusion's feature half (zero after init_from_target) and on the feature projection,
+    so the draft's predictions depend on the features it is given."""
+    gen = torch.Generator().manual_seed(seed)
+    h = draft.target.args.hidden_size
+    with torch.no_grad():
+        draft.fuse.weight[:, h:].add_(2 * scale * torch.randn(h, h, generator=gen) / h ** 0.5)
+        if draft.feat_proj is not None:
+            w = draft.feat_proj.weight
+            w.add_(2 * scale * torch.randn(w.shape, generator=gen) / h ** 0.5)
+    return draft
 
 
 def _init(draft):
@@ -594,3 +616,55 @@ def test_sampling_with_early_stop_is_lossless(small, block):
     position_max, joint_max = thresholds(n)
     assert max(per_position) < position_max, per_position
     assert joint < joint_max, joint
+
+
+# ----- deep features in the engine are the ones training uses -----------------------------------------
+
+
+@pytest.mark.parametrize("layers", [(), (2,), (2, 3)], ids=["final", "final+2", "final+2+3"])
+@pytest.mark.parametrize("path", ["loop", "one-graph", "windowed"])
+def test_engine_feeds_deep_drafts_the_features_training_uses(target, monkeypatch, layers, path):
+    """A round's first drafted token is the draft's prediction from the verified prefix alone, so it must
+    equal the teacher-forced prediction (training's `forward_train` on the target's states, as
+    `distill_loss` feeds it) at the pending position: accepted exactly where that prediction is the
+    target's token. A wrong layer, shift or projection in prefill, verify or the round graph breaks it."""
+    from training.distill import _shift, target_states
+
+    draft = layered(target, layers) if layers else with_features(noisy(oracle(target, deep=True), 0.5), 0.5)
+    rounds = []
+    real = speculative.spec_round
+
+    def spy(eng, slots, drafts, cfg):
+        pos0 = slots[0].length
+        result = real(eng, slots, drafts, cfg)
+        rounds.append((pos0, result.num_accepted[0]))
+        return result
+
+    monkeypatch.setattr("engine.scheduler.spec_round", spy)
+    spec = SpecConfig(5, 2 if path == "loop" else 5, draft_kv_window=96 if path == "windowed" else None)  # 96: covers the sequence
+    kwargs = {"cuda_graphs": "emulate"} if path == "one-graph" else {}
+    result = spec_generate(target, draft, spec, lengths=(17,), new=60, **kwargs)[0]
+    assert result.token_ids == ar_greedy(target, (17,), 60)[0]
+    seq = torch.tensor(prompts_for(target.args.vocab_size, (17,))[0] + result.token_ids)[None]
+    with torch.no_grad():
+        trunk, final, captured = target_states(target, seq, draft.shared_layers, draft.feature_layers)
+        feats = _shift(draft.target_features(final, captured))
+        predicted = draft.forward_train(trunk, feats, torch.arange(seq.shape[1])[None])[0].argmax(-1)[0]
+    checked = [(p, acc) for p, acc in rounds if p + 1 < seq.shape[1]]
+    hits = [bool(predicted[p] == seq[0, p + 1]) for p, _ in checked]
+    assert [acc >= 1 for _, acc in checked] == hits
+    assert 0 < sum(hits) < len(hits)  # both outcomes occur: the check has teeth
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["loop", "one-graph"])
+def test_drafts_fusing_different_layers_share_a_batch(target, graphs):
+    """Rows of drafts with different feature layers (none, final only, final + 2, final + 2 + 3) in one
+    ragged batch: each gets its own features (oracles accept everything), output equals plain decoding."""
+    drafts = [layered(target, (2,), scale=0.0), noisy(oracle(target), 0.5), oracle(target, deep=True),
+              layered(target, (2, 3)), layered(target, (2, 3), scale=0.0)]
+    lengths = LENGTHS + (9,)
+    kwargs = dict(max_batch_size=8, cuda_graphs="emulate", mixed_round_graph=True) if graphs else {}
+    results = spec_generate(target, drafts, SpecConfig(5, 5 if graphs else 2), lengths=lengths, **kwargs)
+    assert [r.token_ids for r in results] == ar_greedy(target, lengths)
+    assert [r.stats.acceptance_rate == 1.0 for r in (results[0], results[2], results[4])] == [True] * 3
+    assert results[3].stats.acceptance_rate < 1.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.generate import generate, stream
@@ -135,3 +136,29 @@ def test_stream_yields_deltas_that_add_up(tiny_target):
     assert "".join(o.text for o in outs) == whole.text
     assert outs[-1].completion_tokens == 15
     assert not eng.has_work()
+
+
+def test_min_admit_groups_admissions_into_fewer_prefills(tiny_target, monkeypatch):
+    """Offline batches (min_admit > 1): requests wait until enough rows are free, then prefill together.
+    Same tokens, greedy and seeded sampling; far fewer prefill passes; the last stragglers still run."""
+    vocab = tiny_target.args.vocab_size
+    prompts = _prompts(vocab, [3 + (7 * i) % 19 for i in range(24)])
+    params = [SamplingParams(max_new_tokens=4 + (5 * i) % 17, eos_token_ids=(),
+                             temperature=0.9 if i % 2 else 0.0, seed=i) for i in range(24)]
+
+    def run(min_admit):
+        eng = DecodeEngine(tiny_target.model, tiny_target.tokenizer, max_batch_size=8, max_seq_len=128,
+                           min_admit=min_admit)
+        sizes = []
+        real = eng._prefill
+        monkeypatch.setattr(eng, "_prefill", lambda batch: (sizes.append(len(batch)), real(batch))[1])
+        return [r.token_ids for r in generate(eng, prompts, params)], sizes
+
+    one, one_sizes = run(1)
+    grouped, grouped_sizes = run(4)
+    assert grouped == one and all(len(t) == p.max_new_tokens for t, p in zip(grouped, params))
+    assert sum(grouped_sizes) == sum(one_sizes) == 24
+    assert all(n >= 4 for n in grouped_sizes[:-1]), grouped_sizes  # only the last group may be the smaller rest
+    assert len(grouped_sizes) < len(one_sizes) / 2, (grouped_sizes, one_sizes)
+    with pytest.raises(ValueError, match="min_admit"):
+        DecodeEngine(tiny_target.model, None, min_admit=0)

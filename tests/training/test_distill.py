@@ -59,10 +59,11 @@ def acceptance(target, draft, prompts) -> float:
     return report["mean_accepted_length"]
 
 
-@pytest.mark.parametrize("feature_input", ["deep", "none"])
-def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, feature_input):
+@pytest.mark.parametrize("feature_input, feature_layers", [("deep", []), ("none", []), ("deep", [2])],
+                         ids=["deep", "none", "deep-layer2"])
+def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, feature_input, feature_layers):
     target, prompts, data = setup
-    cfg = config(tmp_path, feature_input=feature_input, head_vocab=None)
+    cfg = config(tmp_path, feature_input=feature_input, head_vocab=None, feature_layers=feature_layers)
     before = acceptance(target, build_draft(target, cfg, None), prompts[:4])
     result = train(cfg, target, data, data, progress=False)
     after = acceptance(target, result.draft, prompts[:4])
@@ -136,11 +137,17 @@ def test_the_teacher_cache_gives_the_target_pass_its_own_states(tmp_path, setup)
     cache = TeacherCache(target, ragged, 1, torch.device("cpu"), batch_size=5)
     indices = [3, 0, 11, 7]
     tokens, weights = distill._batch(ragged, indices, torch.device("cpu"))
-    trunk, final = target_states(target, tokens, 1)
-    c_trunk, c_final = cache.gather(indices, torch.device("cpu"))
+    trunk, final, _ = target_states(target, tokens, 1)
+    c_trunk, c_final, _ = cache.gather(indices, torch.device("cpu"))
     real = weights > 0
     assert torch.allclose(c_trunk[real], trunk[real], atol=1e-5) and torch.allclose(c_final[real], final[real], atol=1e-5)
     assert not c_final[~real].any()  # padding points at the zero row
+    # With a draft's extra feature layers, their states are cached too.
+    layered = TeacherCache(target, ragged, 1, torch.device("cpu"), batch_size=5, capture=(2, 3))
+    _, _, captured = target_states(target, tokens, 1, (2, 3))
+    c_captured = layered.gather(indices, torch.device("cpu"))[2]
+    assert len(c_captured) == 2 and all(torch.allclose(c[real], t[real], atol=1e-5) for c, t in zip(c_captured, captured))
+    assert TeacherCache.size_gb(target, ragged, (2, 3)) == pytest.approx(2 * TeacherCache.size_gb(target, ragged))
 
     cached = train(config(tmp_path / "a", steps=8, eval_every=100), target, ragged, progress=False)
     plain = train(config(tmp_path / "b", steps=8, eval_every=100, teacher_cache_gb=0), target, ragged, progress=False)
@@ -159,6 +166,8 @@ def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
         train(config(tmp_path, steps=4), tiny_target(seed=5), data, progress=False)
     with pytest.raises(TrainError, match="seq_len: checkpoint 64 vs now 32"):
         train(config(tmp_path, steps=4, seq_len=32), target, data, progress=False)
+    with pytest.raises(TrainError, match=r"feature_layers: checkpoint \[\] vs now \[2\]"):
+        train(config(tmp_path, steps=4, feature_layers=[2]), target, data, progress=False)
     fresh = train(config(tmp_path, steps=1, seq_len=32, resume=False), target, data, progress=False)
     assert fresh.step == 1
 
@@ -254,3 +263,5 @@ def test_train_draft_cli_refuses_bad_input_before_training(tmp_path, monkeypatch
     assert res.exit_code == 1 and "cannot create" in res.output and str(blocker) in res.output
     res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--steps", "0", "--store", str(tmp_path / "s")])
     assert res.exit_code == 1 and "steps" in res.output
+    res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--feature-layers", "ten", "--store", str(tmp_path / "s")])
+    assert res.exit_code == 1 and "--feature-layers takes a comma list of integers" in res.output
