@@ -78,6 +78,8 @@ def greedy_and_sampled(model, tokenizer, domain: str, rows, num_prompts: int, sa
                        progress: bool = True) -> tuple[dict[str, list[int]], list[dict[str, list[int]]]]:
     """The greedy replies to `num_prompts` prompts, and `sampled` more sets of replies to the same prompts
     sampled at `temperature` (seeds seed + 1, seed + 2, ...): `domain_sequences(..., greedy, sampled)`."""
+    if num_prompts <= 0:
+        return {}, []  # raw text only
     kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
     greedy = self_distill(model, tokenizer, domain, rows, num_prompts, seed=seed, **kw)
     more = [self_distill(model, tokenizer, domain, rows, num_prompts, seed=seed + 1 + i, temperature=temperature, **kw)
