@@ -99,7 +99,8 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
                                       spec=SpecConfig(g, block, draft_confidence=conf))
                 engine.add_draft("d", draft)
                 name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
-                        f"{draft.feature_input}, K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
+                        f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
+                        f"K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
                         + (f" confidence {conf:g}" if conf else ""))
                 configs.append((name, engine))
     ar_passes = [measure(ar_engine, prompts, params, None)]

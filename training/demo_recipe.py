@@ -26,15 +26,17 @@ import torch
 
 DOMAINS = ("code", "general", "dialog")
 
-# The demo drafts' shape: a cheap trunk (3 shared layers), one adapter, deep features, an 8k
-# sub-vocabulary head tied to the target's lm_head: 4.5 M own parameters, 9 MB in fp16 (three
-# drafts must stay under 40 MB, so a second adapter layer, 7 MB more each, does not fit).
-DEMO = dict(shared_layers=3, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
+# The demo drafts' shape: a cheap trunk (3 shared layers), one adapter, deep features (the target's
+# final state and its states after layers 10 and 20), an 8k sub-vocabulary head tied to the target's
+# lm_head: 5.5 M own parameters, 11 MB in fp16 (three drafts must stay under 40 MB, so a second
+# adapter layer, 7 MB more each, does not fit). `--feature-layers ''` trains the final state alone.
+DEMO = dict(shared_layers=3, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192,
+            feature_layers=[10, 20])
 # The shape the write-up describes: N = round(L/4), A = 2, full vocabulary, no deep features.
 SEED_DEFAULT = dict(shared_layers=None, adapter_layers=2, head="mlp_tied", feature_input="none", head_vocab=None)
 # A leaner draft for machines where a verify pass costs about the same for 1 or 6 tokens (CPUs with
 # packed projections): the trunk is 1 layer, so drafting runs fewer target layers one token at a time.
-LEAN = dict(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)
+LEAN = dict(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=8192)  # final state only
 SHAPES = {"demo": DEMO, "seed-default": SEED_DEFAULT, "lean": LEAN}
 
 
@@ -181,7 +183,7 @@ def main() -> None:
     t.add_argument("--teacher-cache-gb", type=float, default=32.0,
                    help="device memory for the target's cached states (train-draft --teacher-cache-gb)")
     t.add_argument("--tag", default="demo")
-    t.add_argument("--version", default="demo-v6")
+    t.add_argument("--version", default="demo-v7")
     t.add_argument("--device", default="cuda")
     t.add_argument("--steps", type=int, default=20000, help="optimizer steps (at most; see --max-seconds)")
     t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
