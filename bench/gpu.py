@@ -215,6 +215,8 @@ class Bench:
                "mal": emitted / rounds if rounds else None,
                "acc": accepted / drafted if drafted else None, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
                "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs)}
+        if governor:  # what it measured and decided from: seconds per token and sample counts per bucket
+            row["governor"] = gov.snapshot()
         if reference is not None and greedy:
             agree = total = 0
             for a, b in zip(row["outs"], reference):

@@ -122,4 +122,6 @@ class SpeculationGovernor:
             return {
                 "ar_seconds_per_token": {b: e.value for b, e in self._ar.items()},
                 "spec_seconds_per_token": {f"{d}@{b}": e.value for (d, b), e in self._spec.items()},
+                "ar_samples": {b: e.count for b, e in self._ar.items()},
+                "spec_samples": {f"{d}@{b}": e.count for (d, b), e in self._spec.items()},
             }

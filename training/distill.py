@@ -477,7 +477,8 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     started = time.perf_counter()  # the teacher cache is built on the loop's clock
     teacher = None
     capture = draft.feature_layers
-    if cfg.teacher_cache_gb > 0 and TeacherCache.size_gb(target, train_data, capture) <= cfg.teacher_cache_gb:
+    cache_gb = TeacherCache.size_gb(target, train_data, capture)
+    if 0 < cfg.teacher_cache_gb and cache_gb <= cfg.teacher_cache_gb:
         teacher = TeacherCache(target, train_data, draft.shared_layers, device, capture=capture)
 
     def save() -> None:
@@ -511,8 +512,12 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[1 : 1 + n], 4).tolist(),
                "top1_by_step": np.round(values[1 + n :], 4).tolist(), "grad_norm": round(norm, 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
-        if teacher is not None and len(history) == first_logged:  # this process's first step (also after a resume)
-            log["teacher_cache_gb"] = round(TeacherCache.size_gb(target, train_data, capture), 3)
+        if len(history) == first_logged:  # this process's first step (also after a resume)
+            if teacher is not None:
+                log["teacher_cache_gb"] = round(cache_gb, 3)
+            elif cfg.teacher_cache_gb > 0:  # said once: every step runs the target, raise the budget to avoid it
+                log["teacher_cache_skipped"] = (f"the target's states need {cache_gb:.2f} GB, over teacher_cache_gb="
+                                                f"{cfg.teacher_cache_gb:g}: the target runs on every batch")
         if out_of_time:
             log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
         if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):

@@ -12,7 +12,8 @@ from drafts.checkpoint import load_draft, save_draft
 from drafts.store import DraftStore, default_store_root, shipped_drafts_dir
 from engine.loading import load_model
 from training import corpora
-from training.distill import ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, frequent_vocab, train
+from training.distill import (ALL_DOMAINS, TeacherCache, TrainConfig, TrainError, domain_sequences, frequent_vocab,
+                              train)
 from training.evaluate import evaluate_draft, held_out_prompts
 from training.selfdistill import greedy_and_sampled as make_replies
 
@@ -70,6 +71,11 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
         specials = [*tokenizer.all_special_ids, *loaded.args.eos_token_ids]
         vocab_ids = frequent_vocab(train_data, cfg.head_vocab, loaded.args.vocab_size, specials)
 
+    need = TeacherCache.size_gb(loaded.model, train_data, tuple(cfg.feature_layers))
+    if 0 < cfg.teacher_cache_gb < need:
+        echo(f"note: the target's states of the training set need {need:.1f} GB, over --teacher-cache-gb "
+             f"{cfg.teacher_cache_gb:g}: the target runs on every batch (slower); raise --teacher-cache-gb "
+             "if the device has the memory")
     # Train (resumes from out_dir/ckpt when present).
     result = train(cfg, loaded.model, train_data, val_data, vocab_ids)
     last_eval = next((h["eval"] for h in reversed(result.history) if "eval" in h), None)

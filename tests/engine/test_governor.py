@@ -193,3 +193,13 @@ def test_a_step_is_priced_whole_for_every_running_row(tiny):
     eng2.step(), seen["ar"].clear()
     eng2.step()
     assert seen["ar"] == [(2, 2)]
+
+
+def test_snapshot_reports_costs_and_sample_counts():
+    gov = SpeculationGovernor()
+    for _ in range(3):
+        gov.observe_ar(1, 0.01, 1)
+    gov.observe_spec("code", 8, 0.02, 10)
+    snap = gov.snapshot()
+    assert snap["ar_samples"] == {1: 3} and snap["spec_samples"] == {"code@8": 1}
+    assert snap["ar_seconds_per_token"][1] == 0.01 and abs(snap["spec_seconds_per_token"]["code@8"] - 0.002) < 1e-12

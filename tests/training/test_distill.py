@@ -156,7 +156,8 @@ def test_the_teacher_cache_gives_the_target_pass_its_own_states(tmp_path, setup)
     size = TeacherCache.size_gb(target, ragged)
     assert size == pytest.approx(2 * (sum(map(len, ragged.sequences)) + 1) * 64 * 4 / 1e9)  # + the padding row
     small = train(config(tmp_path / "c", steps=1, teacher_cache_gb=size / 2), target, ragged, progress=False)
-    assert "teacher_cache_gb" not in small.history[0]
+    assert "teacher_cache_gb" not in small.history[0] and "over teacher_cache_gb" in small.history[0]["teacher_cache_skipped"]
+    assert "teacher_cache_skipped" not in plain.history[0]  # switched off, not skipped
 
 
 def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
