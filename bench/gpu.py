@@ -201,7 +201,7 @@ class Bench:
         once()  # warm-up: captures the CUDA graphs of every shape this workload meets
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        rates = []
+        rates, captures = [], eng.graphs.captures
         for _ in range(self.args.passes):  # a short cell is a fraction of a second: the median of several passes
             t0 = time.perf_counter()
             outs = once()
@@ -214,7 +214,8 @@ class Bench:
         row = {"tps": statistics.median(rates), "tps_passes": [round(r, 1) for r in rates],
                "mal": emitted / rounds if rounds else None,
                "acc": accepted / drafted if drafted else None, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
-               "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs)}
+               "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs),
+               "graphs_in_passes": eng.graphs.captures - captures}  # captured inside the measured passes
         if governor:  # what it measured and decided from: seconds per token and sample counts per bucket
             row["governor"] = gov.snapshot()
         if reference is not None and greedy:

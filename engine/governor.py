@@ -1,9 +1,11 @@
 """Keeps speculation from making decoding slower: measured cost per token, per draft, online.
 
 Every plain decoding step and every speculative round reports its wall time, its batch size and
-the tokens it produced. The governor keeps an exponential moving average of seconds per token for
-plain decoding and for each draft, per batch-size bucket (a batched plain step is much cheaper per
-token than a single one, so only like is compared with like), and speculation for a draft stays on
+the tokens it produced (a step mixing plain and speculating rows charges speculation the step less
+what its plain tokens cost at plain decoding's rate: `spec_step_seconds`). The governor keeps an
+exponential moving average of seconds per token for plain decoding and for each draft, per
+batch-size bucket (a batched plain step is much cheaper per token than a single one, so only like
+is compared with like), and speculation for a draft stays on
 only while its cost per token is at most plain decoding's:
 - a new request for a draft that does not pay decodes plainly (every `probe_every`-th one still
   speculates, and so does the first one after `probe_seconds` without a round of that draft, so the
@@ -58,6 +60,8 @@ class SpeculationGovernor:
         self._ar: dict[int, _Ema] = {}
         self._spec: dict[tuple[str, int], _Ema] = {}
         self._admissions: dict[str, int] = {}
+        # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
+        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0}
         self._lock = threading.Lock()
 
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
@@ -70,6 +74,19 @@ class SpeculationGovernor:
             with self._lock:
                 self._spec.setdefault((draft, batch_bucket(rows)), _Ema()).update(seconds / tokens, self.alpha)
                 self._last_spec[draft] = self._clock()
+
+    def spec_step_seconds(self, rows: int, elapsed: float, round_seconds: float, plain_tokens: int) -> float | None:
+        """Seconds to charge the speculative tokens of a step of `rows` rows that took `elapsed`, of which
+        the speculative round took `round_seconds` and plain rows made `plain_tokens`: the step less
+        what its plain tokens cost at plain decoding's rate for this batch size, and at least the round.
+        None while that rate is unknown and the step had plain tokens (the sample would be ambiguous)."""
+        if not plain_tokens:
+            return elapsed
+        with self._lock:
+            plain = self._cost(self._ar, lambda b: b, batch_bucket(rows))
+        if plain is None:
+            return None
+        return max(elapsed - plain * plain_tokens, round_seconds)
 
     def _cost(self, table: dict, key, bucket: int) -> float | None:
         """Seconds per token at this bucket; an unmeasured bucket is estimated from the largest measured
@@ -107,15 +124,21 @@ class SpeculationGovernor:
                 self._last_spec[draft] = self._clock()  # one probe per period, not every admission until it runs
             if pays is None:
                 missing_ar = self._cost(self._ar, lambda b: b, batch_bucket(rows)) is None
-                return not (missing_ar and probe)  # measure plain decoding now and then
-            return pays or probe
+                decision = not (missing_ar and probe)  # measure plain decoding now and then
+            else:
+                decision = pays or probe
+                self.decisions["probes"] += bool(probe and not pays)
+            self.decisions["speculate" if decision else "plain"] += 1
+            return decision
 
     def keep_speculating(self, draft: str, rows: int) -> bool:
         """Should a running request of `draft` go on speculating?"""
         if not self.enabled:
             return True
         with self._lock:
-            return self._pays(draft, rows) is not False
+            keep = self._pays(draft, rows) is not False
+            self.decisions["dropped"] += not keep
+            return keep
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -124,4 +147,5 @@ class SpeculationGovernor:
                 "spec_seconds_per_token": {f"{d}@{b}": e.value for (d, b), e in self._spec.items()},
                 "ar_samples": {b: e.count for b, e in self._ar.items()},
                 "spec_samples": {f"{d}@{b}": e.count for (d, b), e in self._spec.items()},
+                "decisions": dict(self.decisions),
             }

@@ -252,23 +252,28 @@ class DecodeEngine:
                    {o.request_id for o in admitted if o.finished}]
         ar_rows = [s for s in running if s.draft is None]
         spec_rows = [s for s in running if s.draft is not None]
-        # The governor prices the whole step, per token of every running row: plain rows wait for the
-        # speculative round of the same step, so a round that is cheap for its own rows can still slow
-        # the batch down. A step that captured a CUDA graph or compiled a kernel is not a cost sample.
-        t0, cold, tokens = time.perf_counter(), self._cold_events(), 0
+        # Cost samples for the governor. Speculative tokens are charged the whole step less what its plain
+        # tokens cost at plain decoding's rate (plain rows wait for the round of the same step, so a round
+        # cheap for its own rows can still slow the batch down), and at least the round itself: a plain
+        # batch with one speculating row does not pass for cheap speculation. A step that captured a
+        # CUDA graph or compiled a kernel is not a sample, nor a plain step cut short by a row's limits
+        # (its graph ran every step, its rows kept fewer tokens).
+        t0, cold, ar_tokens, full = time.perf_counter(), self._cold_events(), 0, True
         if ar_rows:
-            new = self._ar_step(ar_rows)
-            tokens += sum(len(t) for t in new)
+            new, full = self._ar_step(ar_rows)
+            ar_tokens = sum(len(t) for t in new)
+        t1 = time.perf_counter()
         if spec_rows:
             result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
-            tokens += sum(len(t) for t in result.tokens)
         if running and self._cold_events() == cold:
-            elapsed = time.perf_counter() - t0
+            now = time.perf_counter()
             if spec_rows:
-                for name in {s.request.draft for s in spec_rows}:
-                    self.governor.observe_spec(name or "", len(running), elapsed, tokens)
-            else:
-                self.governor.observe_ar(len(running), elapsed, tokens)
+                seconds = self.governor.spec_step_seconds(len(running), now - t0, now - t1, ar_tokens)
+                if seconds is not None:
+                    for name in {s.request.draft for s in spec_rows}:
+                        self.governor.observe_spec(name or "", len(running), seconds, sum(map(len, result.tokens)))
+            elif full:
+                self.governor.observe_ar(len(running), now - t0, ar_tokens)
         if ar_rows:
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
@@ -405,9 +410,10 @@ class DecodeEngine:
         )
         return sample(probs, [s.generator for s in batch])
 
-    def _ar_step(self, batch: list[SlotState]) -> list[list[int]]:
+    def _ar_step(self, batch: list[SlotState]) -> tuple[list[list[int]], bool]:
         """`ar_steps_per_sync` plain decoding steps for these rows, tokens fed back on the device;
-        one host transfer at the end. Returns each row's new tokens (stop conditions apply later)."""
+        one host transfer at the end. Returns each row's new tokens (stop conditions apply later), and
+        whether every step run kept its tokens (False: a graph of fixed length ran past a row's limit)."""
         device = self.device
         rows = row_index([s.slot for s in batch], device)
         steps = max(1, min(self.ar_steps_per_sync, *(s.request.params.max_new_tokens - len(s.output_ids) for s in batch),
@@ -417,7 +423,7 @@ class DecodeEngine:
         graph_steps = min(self.ar_steps_per_sync, self.margin)  # a fixed count: one graph per bucket, not per count
         if self.graphs.enabled and all(s.request.params.greedy for s in batch):
             new = self._ar_greedy_graph(tokens, pos, rows, graph_steps, int(max(s.length for s in batch)) + graph_steps)
-            return [row[:steps] for row in new]  # steps past `steps` wrote KV inside the margin; never visible
+            return [row[:steps] for row in new], steps == graph_steps  # steps past `steps` wrote KV inside the margin
         new = []
         for i in range(steps):
             _, _, logits, _ = self.run_target(tokens, pos, range(self.model.args.num_layers), None, rows,
@@ -425,7 +431,7 @@ class DecodeEngine:
             tokens = self._sample_device(batch, logits[:, -1])[:, None]
             new.append(tokens)
             pos = pos + 1
-        return torch.cat(new, dim=1).tolist()
+        return torch.cat(new, dim=1).tolist(), True
 
     def _ar_greedy_graph(self, tokens, pos, rows, steps: int, kv_len: int) -> list[list[int]]:
         """`steps` greedy decoding steps as one CUDA graph (argmax fed back on the device), one transfer.

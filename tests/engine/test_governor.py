@@ -1,5 +1,7 @@
 """The speculation governor: speculation stays on only while it pays, measured per batch-size bucket."""
 
+import torch
+
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.speculative import SpecConfig
 
@@ -26,6 +28,7 @@ def test_slow_draft_is_turned_off_except_probes():
     feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
     assert not gov.keep_speculating("code", 1)
     assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
+    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1}
 
 
 def test_a_draft_off_for_a_while_is_probed_again_and_can_come_back():
@@ -161,9 +164,10 @@ def test_requests_admitted_together_are_priced_at_the_batch_they_will_run_in(tin
     assert eng2.slots[0] is not None and eng2.slots[0].draft is draft  # alone, it pays: speculates
 
 
-def test_a_step_is_priced_whole_for_every_running_row(tiny):
-    """Plain rows wait for the speculative round of their step: the governor sees the whole step's time
-    and every row's tokens at the batch size of all running rows, not the speculative rows alone."""
+def test_a_mixed_step_is_priced_at_the_batch_size_of_every_running_row(tiny):
+    """Plain rows wait for the speculative round of their step: speculation is charged the step less
+    what its plain tokens cost at plain decoding's rate, per speculative token, at the batch size of all
+    running rows; until that rate is known a mixed step is no sample. Plain steps are priced whole."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
     from engine.requests import Request
@@ -172,21 +176,31 @@ def test_a_step_is_priced_whole_for_every_running_row(tiny):
 
     target = tiny.tiny_vocab_target(vocab_size=16)
     draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp"))
-    gov = SpeculationGovernor(enabled=False)  # records, never switches anything off
+    gov = SpeculationGovernor(enabled=False, min_samples=1)  # records, never switches anything off
     seen = {"ar": [], "spec": []}
-    gov.observe_ar = lambda rows, seconds, tokens: seen["ar"].append((rows, tokens))
-    gov.observe_spec = lambda name, rows, seconds, tokens: seen["spec"].append((name, rows, tokens))
-    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov, spec=SpecConfig(3, 3))
-    eng.add_draft("d", draft)
+    observe_ar, observe_spec = gov.observe_ar, gov.observe_spec
+    gov.observe_ar = lambda rows, seconds, tokens: (seen["ar"].append((rows, tokens)), observe_ar(rows, seconds, tokens))
+    gov.observe_spec = lambda name, rows, seconds, tokens: (seen["spec"].append((name, rows, seconds, tokens)),
+                                                            observe_spec(name, rows, seconds, tokens))
     params = SamplingParams(max_new_tokens=8, eos_token_ids=())
-    for i, name in enumerate(["d", None, None]):
-        eng.add_request(Request(f"r{i}", [1, 2, 3 + i], params, name))
-    eng.step()  # prefill only: nothing to price yet beyond the first decode step
-    seen["ar"].clear(), seen["spec"].clear()
-    outs = eng.step()
+
+    def mixed_step():
+        eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov, spec=SpecConfig(3, 3))
+        eng.add_draft("d", draft)
+        for i, name in enumerate(["d", None, None]):
+            eng.add_request(Request(f"r{i}", [1, 2, 3 + i], params, name))
+        eng.step()  # prefill and the first step
+        seen["ar"].clear(), seen["spec"].clear()
+        return eng.step()
+
+    mixed_step()
+    assert seen == {"ar": [], "spec": []}  # plain decoding's rate at 3-4 rows is not known yet
+    gov.observe_ar(3, 1e-9, 1)  # plain tokens all but free: speculation is charged the whole step
+    outs = mixed_step()
     assert seen["ar"] == [] and len(seen["spec"]) == 1
-    name, rows, tokens = seen["spec"][0]
-    assert (name, rows) == ("d", 3) and tokens == sum(len(o.token_ids) for o in outs)
+    name, rows, seconds, tokens = seen["spec"][0]
+    spec_out = next(o for o in outs if o.request_id == "r0")
+    assert (name, rows) == ("d", 3) and tokens == len(spec_out.token_ids) and seconds > 0
     eng2 = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov)
     for i in range(2):
         eng2.add_request(Request(f"p{i}", [1, 2, 3 + i], params))
@@ -202,4 +216,34 @@ def test_snapshot_reports_costs_and_sample_counts():
     gov.observe_spec("code", 8, 0.02, 10)
     snap = gov.snapshot()
     assert snap["ar_samples"] == {1: 3} and snap["spec_samples"] == {"code@8": 1}
+    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0}
     assert snap["ar_seconds_per_token"][1] == 0.01 and abs(snap["spec_seconds_per_token"]["code@8"] - 0.002) < 1e-12
+
+
+def test_a_mixed_step_charges_speculation_what_the_plain_rows_did_not_cost():
+    gov = SpeculationGovernor(min_samples=1)
+    assert gov.spec_step_seconds(8, 0.030, 0.030, 0) == 0.030  # every row speculated: the whole step
+    assert gov.spec_step_seconds(8, 0.030, 0.010, 28) is None  # plain decoding's rate unknown yet
+    gov.observe_ar(8, 0.016, 32)  # 0.5 ms a plain token at 8 rows
+    # 7 plain rows made 28 tokens (14 ms at the plain rate); the step took 30 ms: 16 ms are speculation's.
+    assert abs(gov.spec_step_seconds(8, 0.030, 0.010, 28) - 0.016) < 1e-12
+    assert gov.spec_step_seconds(8, 0.020, 0.010, 28) == 0.010  # never less than the round itself
+
+
+def test_plain_steps_cut_short_by_a_limit_are_no_cost_sample(tiny):
+    """A plain step runs a fixed-length graph (4 tokens); a row near max_new_tokens keeps fewer of them.
+    Priced per kept token such a step looks several times dearer than decoding is, and made plain
+    decoding look expensive enough that batches speculated where it did not pay. It is no sample."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    gov = SpeculationGovernor(enabled=False)
+    seen = []
+    gov.observe_ar = lambda rows, seconds, tokens: seen.append((rows, tokens))
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, governor=gov, cuda_graphs="emulate",
+                       ar_steps_per_sync=4)
+    out = generate(eng, [[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=11, eos_token_ids=()))
+    assert [len(o.token_ids) for o in out] == [11, 11]  # 1 from the prefill, then steps of 4, 4 and a cut 2
+    assert seen == [(2, 8)]  # the first step captured its graph (no sample either), the last was cut short
