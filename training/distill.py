@@ -478,7 +478,10 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     teacher = None
     capture = draft.feature_layers
     cache_gb = TeacherCache.size_gb(target, train_data, capture)
-    if 0 < cfg.teacher_cache_gb and cache_gb <= cfg.teacher_cache_gb:
+    # Building the cache is one target pass over the whole set: it saves time only if the run sees its
+    # sequences more than once (a short run on a large set would pay for states it never reads).
+    epochs = cfg.steps * cfg.batch_size * cfg.grad_accum / max(len(train_data), 1)
+    if 0 < cfg.teacher_cache_gb and cache_gb <= cfg.teacher_cache_gb and epochs > 1:
         teacher = TeacherCache(target, train_data, draft.shared_layers, device, capture=capture)
 
     def save() -> None:
@@ -515,6 +518,8 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         if len(history) == first_logged:  # this process's first step (also after a resume)
             if teacher is not None:
                 log["teacher_cache_gb"] = round(cache_gb, 3)
+            elif cfg.teacher_cache_gb > 0 and epochs <= 1:
+                log["teacher_cache_skipped"] = "the run reads each sequence at most once: the target runs on each batch"
             elif cfg.teacher_cache_gb > 0:  # said once: every step runs the target, raise the budget to avoid it
                 log["teacher_cache_skipped"] = (f"the target's states need {cache_gb:.2f} GB, over teacher_cache_gb="
                                                 f"{cfg.teacher_cache_gb:g}: the target runs on every batch")

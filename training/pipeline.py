@@ -72,7 +72,7 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
         vocab_ids = frequent_vocab(train_data, cfg.head_vocab, loaded.args.vocab_size, specials)
 
     need = TeacherCache.size_gb(loaded.model, train_data, tuple(cfg.feature_layers))
-    if 0 < cfg.teacher_cache_gb < need:
+    if 0 < cfg.teacher_cache_gb < need and cfg.steps * cfg.batch_size * cfg.grad_accum > len(train_data):
         echo(f"note: the target's states of the training set need {need:.1f} GB, over --teacher-cache-gb "
              f"{cfg.teacher_cache_gb:g}: the target runs on every batch (slower); raise --teacher-cache-gb "
              "if the device has the memory")

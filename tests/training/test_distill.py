@@ -155,9 +155,12 @@ def test_the_teacher_cache_gives_the_target_pass_its_own_states(tmp_path, setup)
     assert [h["loss"] for h in cached.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-4)
     size = TeacherCache.size_gb(target, ragged)
     assert size == pytest.approx(2 * (sum(map(len, ragged.sequences)) + 1) * 64 * 4 / 1e9)  # + the padding row
-    small = train(config(tmp_path / "c", steps=1, teacher_cache_gb=size / 2), target, ragged, progress=False)
+    small = train(config(tmp_path / "c", steps=3, teacher_cache_gb=size / 2), target, ragged, progress=False)
     assert "teacher_cache_gb" not in small.history[0] and "over teacher_cache_gb" in small.history[0]["teacher_cache_skipped"]
     assert "teacher_cache_skipped" not in plain.history[0]  # switched off, not skipped
+    # 16 sequences, one step of 8: each sequence is read at most once, so a cache would only cost a pass.
+    once = train(config(tmp_path / "d", steps=1), target, ragged, progress=False)
+    assert "at most once" in once.history[0]["teacher_cache_skipped"]
 
 
 def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
