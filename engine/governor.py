@@ -83,7 +83,7 @@ class SpeculationGovernor:
         if not plain_tokens:
             return elapsed
         with self._lock:
-            plain = self._cost(self._ar, lambda b: b, batch_bucket(rows))
+            plain = self._plain_cost(batch_bucket(rows))
         if plain is None:
             return None
         return max(elapsed - plain * plain_tokens, round_seconds)
@@ -101,11 +101,14 @@ class SpeculationGovernor:
         b = max(known)
         return table[key(b)].value * b / bucket
 
+    def _plain_cost(self, bucket: int) -> float | None:
+        return self._cost(self._ar, lambda b: b, bucket)
+
     def _pays(self, draft: str, rows: int) -> bool | None:
         """True/False once both sides have a cost at this batch size (measured or estimated); None before."""
         bucket = batch_bucket(rows)
         spec_cost = self._cost(self._spec, lambda b: (draft, b), bucket)
-        ar_cost = self._cost(self._ar, lambda b: b, bucket)
+        ar_cost = self._plain_cost(bucket)
         if spec_cost is None or ar_cost is None:
             return None
         return spec_cost <= self.tolerance * ar_cost
@@ -123,7 +126,7 @@ class SpeculationGovernor:
             if stale:
                 self._last_spec[draft] = self._clock()  # one probe per period, not every admission until it runs
             if pays is None:
-                missing_ar = self._cost(self._ar, lambda b: b, batch_bucket(rows)) is None
+                missing_ar = self._plain_cost(batch_bucket(rows)) is None
                 decision = not (missing_ar and probe)  # measure plain decoding now and then
             else:
                 decision = pays or probe

@@ -301,7 +301,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"a layer range starting at {layers.start} needs the hidden states entering it")
             hidden = self.embed_tokens(tokens)  # (B, T, H)
         ctx = ctx or self.context(input_pos, cache, rows, kv_len)
-        if any(not layers.start < c < layers.stop for c in capture) or list(capture) != sorted(set(capture)):
+        if capture and (any(not layers.start < c < layers.stop for c in capture) or list(capture) != sorted(set(capture))):
             raise ValueError(f"capture {capture} must be increasing layer counts inside ({layers.start}, {layers.stop})")
         captured = []
         for start, stop in zip((layers.start, *capture), (*capture, layers.stop)):

@@ -21,7 +21,7 @@ from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import processed_probs, sample
-from engine.speculative import Draft, SpecConfig, spec_round
+from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
 from engine.text import TextStream
 
 
@@ -84,7 +84,6 @@ class DecodeEngine:
         hidden = model.args.hidden_size
         self._deep_ready = False
         self._hidden = hidden
-        self.feature_layers: tuple[int, ...] = ()  # target layer counts whose states some draft fuses in
 
     # ----- drafts -------------------------------------------------------------------------
     def add_draft(self, name: str, draft: Draft) -> None:
@@ -118,26 +117,11 @@ class DecodeEngine:
         if old is not None and old is not draft:
             self.graphs.discard(id(old))  # running rows keep the old draft: their graphs are captured again
         self.drafts[name] = draft
-        self._update_feature_layers()
 
     def remove_draft(self, name: str) -> None:
         old = self.drafts.pop(name, None)
         if old is not None:
             self.graphs.discard(id(old))
-        self._update_feature_layers()
-
-    def _update_feature_layers(self) -> None:
-        # Rows that started with a replaced draft keep it: their layers stay in the union while they run.
-        drafts = [*self.drafts.values(), *(s.draft for s in self.slots if s is not None and s.draft is not None)]
-        self.feature_layers = tuple(sorted({c for d in drafts for c in getattr(d, "feature_layers", ())}))
-
-    def draft_features(self, draft, final: torch.Tensor, captured) -> torch.Tensor:
-        """A deep draft's feature input from the target's final states and the states `captured` after
-        the engine's `feature_layers` (the union over its drafts): (..., H)."""
-        layers = getattr(draft, "feature_layers", ())
-        if not layers:
-            return final
-        return draft.target_features(final, [captured[self.feature_layers.index(c)] for c in layers])
 
     def _new_draft_cache(self, layers: int) -> KVCache:
         args = self.model.args
@@ -334,21 +318,22 @@ class DecodeEngine:
         last = torch.tensor(lens, device=device) - 1
         spec = [i for i, s in enumerate(batch) if s.draft is not None]
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
+        capture = feature_layers_of(batch[i].draft for i in spec)
         ctx = model.context(pos, self.cache, rows, t_max)
         trunk = model(tokens, pos, layers=range(0, n_trunk), cache=self.cache, rows=rows, ctx=ctx).hidden
         out = model(None, pos, layers=range(n_trunk, model.args.num_layers), hidden=trunk, cache=self.cache,
-                    rows=rows, logits_index=last, ctx=ctx, capture=self.feature_layers if spec else ())
+                    rows=rows, logits_index=last, ctx=ctx, capture=capture)
         first = self._sample(batch, out.logits[:, 0])
         if spec:
             self._prefill_drafts([batch[i] for i in spec], trunk[spec], out.hidden[spec], pos[spec], last[spec], t_max,
-                                 [c[spec] for c in out.captured])
+                                 [c[spec] for c in out.captured], capture)
         results = []
         for s, tok, n in zip(batch, first, lens):
             s.length = n
             results.append(self._commit(s, [tok]))
         return results
 
-    def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max, captured=()) -> None:
+    def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max, captured=(), capture=()) -> None:
         """Fill the adapters' KV over the prompts (the trunk's is already in the target cache)."""
         model = self.model
         rows = torch.tensor([s.slot for s in batch], device=self.device)
@@ -363,7 +348,7 @@ class DecodeEngine:
             if draft.feature_input == "deep":
                 if final is None:
                     final = model.norm(hidden)  # (b, T, H) the target's final hidden states
-                target_feats = self.draft_features(draft, final[sel], [c[sel] for c in captured])  # (g, T, H)
+                target_feats = draft_features(draft, final[sel], [c[sel] for c in captured], capture)  # (g, T, H)
                 # The feature at position q is the target's state at q - 1 (zeros at q = 0).
                 feats = torch.cat([torch.zeros_like(target_feats[:, :1]), target_feats[:, :-1]], dim=1)
             if isinstance(self.draft_cache, WindowedKVCache):
@@ -561,7 +546,7 @@ class DecodeEngine:
         return window, feats, index, positions
 
     def store_deep_round(self, rows, pos0, trunk_seq, feat_seq, num_accepted) -> None:
-        """Remember a round's verified trunk states and target features (`draft_features` of each row's
+        """Remember a round's verified trunk states and target features (`draft_features` for each row's
         draft, (b, n, H)) for the next round's window."""
         n = min(trunk_seq.shape[1], self.round_trunk.shape[1] - 1)
         ar = torch.arange(len(rows), device=self.device)

@@ -58,6 +58,21 @@ class Draft(Protocol):
         ...
 
 
+def feature_layers_of(drafts) -> tuple[int, ...]:
+    """The target layer counts whose states some of these drafts fuse in (sorted; () for none): what a
+    pass over their rows captures (`Transformer.forward(capture=...)`)."""
+    return tuple(sorted({c for d in drafts if d is not None for c in getattr(d, "feature_layers", ())}))
+
+
+def draft_features(draft, final: torch.Tensor, captured, capture: tuple[int, ...]) -> torch.Tensor:
+    """A deep draft's feature input (..., H) from the target's final states and the states `captured`
+    after the layer counts `capture` (a superset of the draft's `feature_layers`, in order)."""
+    layers = getattr(draft, "feature_layers", ())
+    if not layers:
+        return final
+    return draft.target_features(final, [captured[capture.index(c)] for c in layers])
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     num_speculative_tokens: int = 5  # gamma
@@ -135,6 +150,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
+    capture = feature_layers_of(drafts)  # only what this round's drafts fuse in
 
     proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
 
@@ -210,7 +226,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         q_pos = pos0[:, None] + q_start + torch.arange(n_in, device=device)[None]  # (b, n_in)
         _, final_hidden, target_logits, captured = eng.run_target(
             None, q_pos, range(n_trunk, model.args.num_layers), q_hidden, rows, kv_len,
-            eng.feature_layers if deep_rows else ())  # target_logits (b, n_in, V)
+            capture)  # target_logits (b, n_in, V)
         queued = []
         q_start += n_in
         verify_trunk.append(q_hidden)
@@ -258,7 +274,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             feat_seq = final_seq.clone()
             for draft, idx, _ in groups.items:
                 if draft.feature_input == "deep":
-                    feat_seq[idx] = eng.draft_features(draft, final_seq[idx], [c[idx] for c in captured]).to(feat_seq.dtype)
+                    feat_seq[idx] = draft_features(draft, final_seq[idx], [c[idx] for c in captured], capture).to(feat_seq.dtype)
         eng.store_deep_round(rows_t, pos0, trunk_seq, feat_seq, num_accepted)
     return RoundResult(tokens, acc, dr, ps)
 
@@ -293,7 +309,7 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         start += len(idx)
     n_trunk = groups[0][0].shared_layers
     any_deep = any(d.feature_input == "deep" for d, _, _ in groups)
-    capture = eng.feature_layers if any_deep else ()
+    capture = feature_layers_of(d for d, _, _ in groups)  # only what this round's drafts fuse in
     kv_len = eng.kv_bucket(kv_len)
     draft_kv = eng.draft_kv_len(kv_len)
 
@@ -348,7 +364,7 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each draft's rows get its own features (the groups cover every row, padding included)
-                feats = torch.cat([eng.draft_features(d, feats[a:z], [c[a:z] for c in out.captured]).to(feats.dtype)
+                feats = torch.cat([draft_features(d, feats[a:z], [c[a:z] for c in out.captured], capture).to(feats.dtype)
                                    for d, a, z in groups])
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)

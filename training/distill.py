@@ -288,6 +288,22 @@ class TeacherCache:
         return self.trunk[flat], self.final[flat], tuple(c[flat] for c in self.captured)
 
 
+def teacher_cache_plan(cfg: TrainConfig, target: Transformer, data: TokenData,
+                       capture: tuple[int, ...] = ()) -> tuple[float, str | None]:
+    """(GB the teacher cache of this run would hold, why it is not built: None = it is built)."""
+    gb = TeacherCache.size_gb(target, data, capture)
+    if cfg.teacher_cache_gb <= 0:
+        return gb, "off"
+    if gb > cfg.teacher_cache_gb:
+        return gb, (f"the target's states need {gb:.2f} GB, over teacher_cache_gb={cfg.teacher_cache_gb:g}: "
+                    "the target runs on every batch")
+    # Building it is one target pass over the whole set: it saves time only if the run reads its
+    # sequences more than once (a short run on a large set would pay for states it never reads).
+    if cfg.steps * cfg.batch_size * cfg.grad_accum <= len(data):
+        return gb, "the run reads each sequence at most once: the target runs on each batch"
+    return gb, None
+
+
 def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
                  cfg: TrainConfig, states: tuple | None = None) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft
@@ -476,13 +492,9 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     log_file = out_dir / "train_log.jsonl"
     started = time.perf_counter()  # the teacher cache is built on the loop's clock
     teacher = None
-    capture = draft.feature_layers
-    cache_gb = TeacherCache.size_gb(target, train_data, capture)
-    # Building the cache is one target pass over the whole set: it saves time only if the run sees its
-    # sequences more than once (a short run on a large set would pay for states it never reads).
-    epochs = cfg.steps * cfg.batch_size * cfg.grad_accum / max(len(train_data), 1)
-    if 0 < cfg.teacher_cache_gb and cache_gb <= cfg.teacher_cache_gb and epochs > 1:
-        teacher = TeacherCache(target, train_data, draft.shared_layers, device, capture=capture)
+    cache_gb, no_cache = teacher_cache_plan(cfg, target, train_data, draft.feature_layers)
+    if no_cache is None:
+        teacher = TeacherCache(target, train_data, draft.shared_layers, device, capture=draft.feature_layers)
 
     def save() -> None:
         tmp = ckpt_path.with_name(f".state.pt.tmp-{os.getpid()}")
@@ -518,11 +530,8 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         if len(history) == first_logged:  # this process's first step (also after a resume)
             if teacher is not None:
                 log["teacher_cache_gb"] = round(cache_gb, 3)
-            elif cfg.teacher_cache_gb > 0 and epochs <= 1:
-                log["teacher_cache_skipped"] = "the run reads each sequence at most once: the target runs on each batch"
-            elif cfg.teacher_cache_gb > 0:  # said once: every step runs the target, raise the budget to avoid it
-                log["teacher_cache_skipped"] = (f"the target's states need {cache_gb:.2f} GB, over teacher_cache_gb="
-                                                f"{cfg.teacher_cache_gb:g}: the target runs on every batch")
+            elif no_cache != "off":  # said once: every step runs the target
+                log["teacher_cache_skipped"] = no_cache
         if out_of_time:
             log["stopped"] = f"time budget of {cfg.max_seconds:g} s reached"
         if val_data is not None and (step % cfg.eval_every == 0 or step == cfg.steps or out_of_time):

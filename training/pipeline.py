@@ -12,8 +12,8 @@ from drafts.checkpoint import load_draft, save_draft
 from drafts.store import DraftStore, default_store_root, shipped_drafts_dir
 from engine.loading import load_model
 from training import corpora
-from training.distill import (ALL_DOMAINS, TeacherCache, TrainConfig, TrainError, domain_sequences, frequent_vocab,
-                              train)
+from training.distill import (ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, frequent_vocab,
+                              teacher_cache_plan, train)
 from training.evaluate import evaluate_draft, held_out_prompts
 from training.selfdistill import greedy_and_sampled as make_replies
 
@@ -71,8 +71,8 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
         specials = [*tokenizer.all_special_ids, *loaded.args.eos_token_ids]
         vocab_ids = frequent_vocab(train_data, cfg.head_vocab, loaded.args.vocab_size, specials)
 
-    need = TeacherCache.size_gb(loaded.model, train_data, tuple(cfg.feature_layers))
-    if 0 < cfg.teacher_cache_gb < need and cfg.steps * cfg.batch_size * cfg.grad_accum > len(train_data):
+    need, no_cache = teacher_cache_plan(cfg, loaded.model, train_data, tuple(cfg.feature_layers))
+    if no_cache is not None and need > cfg.teacher_cache_gb > 0:  # over its budget
         echo(f"note: the target's states of the training set need {need:.1f} GB, over --teacher-cache-gb "
              f"{cfg.teacher_cache_gb:g}: the target runs on every batch (slower); raise --teacher-cache-gb "
              "if the device has the memory")
