@@ -5,9 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
-
-from engine.sampling import SamplingParams
+from engine.sampling import RandomStream, SamplingParams
 
 
 class RequestError(ValueError):
@@ -93,7 +91,7 @@ class SlotState:
 
     request: Request
     slot: int
-    generator: torch.Generator | None
+    random: RandomStream  # the request's random numbers (sampling, rejection tests)
     text_stream: object
     eos: frozenset[int]
     draft: object | None = None  # the draft object this request started with (kept across hot-swaps)

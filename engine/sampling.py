@@ -44,16 +44,22 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    filtered: bool = True) -> torch.Tensor:
     """Probabilities after temperature, top-k and top-p, row-wise; temperature 0 gives one-hot argmax.
 
     logits (B, ..., V); temperature, top_p (B,) float; top_k (B,) long (0 = off). Returns float32 (B, ..., V).
+    filtered=False promises that no row uses top-k or top-p (the caller knows from the parameters): the
+    sort over the vocabulary they need is skipped, which is most of the cost on a CPU.
     """
     logits = logits.float()
     extra = (1,) * (logits.dim() - 2)
     temp = temperature.view(-1, *extra, 1)
     greedy = temp == 0
     scaled = logits / torch.where(greedy, torch.ones_like(temp), temp)
+    one_hot = torch.zeros_like(scaled).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    if not filtered:
+        return torch.where(greedy, one_hot, torch.softmax(scaled, dim=-1))
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)).view(-1, *extra, 1)
     sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
@@ -65,21 +71,65 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     remove = remove | (mass_before >= top_p.view(-1, *extra, 1))
     sorted_logits = sorted_logits.masked_fill(remove, -math.inf)
     probs = torch.zeros_like(scaled).scatter_(-1, sorted_idx, torch.softmax(sorted_logits, dim=-1))
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy, one_hot, probs)
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row from probs (B, V) by the exponential race argmax(p / E): no host sync."""
-    noise = torch.empty_like(probs)
-    for row, gen in enumerate(generators):
-        noise[row].exponential_(1.0, generator=gen)
-    return (probs / noise).argmax(-1)
+def needs_filters(params) -> bool:
+    """Whether any of these SamplingParams uses top-k or top-p (processed_probs' `filtered`)."""
+    return any(p.top_k > 0 or p.top_p < 1 for p in params)
 
 
-def uniform(shape: tuple[int, ...], generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
-    """Uniform [0, 1) draws, row b from generators[b]; shape[0] == len(generators)."""
-    out = torch.empty(shape, device=device)
-    for row, gen in enumerate(generators):
-        out[row].uniform_(0.0, 1.0, generator=gen)
-    return out
+# ----- random numbers: one counter-based stream per request ---------------------------------------
+# Draw n of a request is a hash of (its seed, n): rows of a batch draw in one vectorized call (no
+# per-row generator, no per-row kernel launch), and a request's draws do not depend on which other
+# requests share its batch or on how many numbers they take.
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x in [0, 2**32) (int64 tensor or int), in 16-bit halves: no int64 overflow."""
+    return (((((x >> 16) * c) & 0xFFFF) << 16) + (x & 0xFFFF) * c) & _M32
+
+
+def _hash32(x):
+    """A bijection of 32-bit integers with full avalanche (C. Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+class RandomStream:
+    """A request's random numbers, reproducible from its seed (None: a seed drawn from torch's global RNG,
+    so torch.manual_seed still makes unseeded runs repeatable)."""
+
+    __slots__ = ("key", "drawn")
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        seed = int(seed) % 2**64
+        self.key = _hash32(_hash32(seed & _M32) ^ (seed >> 32))
+        self.drawn = 0
+
+
+def uniform(shape: tuple[int, ...], streams: list[RandomStream], device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) float32 draws (24 bits), row b from streams[b]; shape[0] == len(streams)."""
+    per_row = math.prod(shape[1:])
+    state = torch.tensor([[s.key, s.drawn] for s in streams], dtype=torch.long).to(device, non_blocking=True)
+    for s in streams:
+        s.drawn = (s.drawn + per_row) & _M32
+    counters = (state[:, 1:] + torch.arange(per_row, device=device)) & _M32  # (B, per_row)
+    bits = _hash32(_hash32(counters) ^ state[:, :1])
+    return ((bits >> 8).float() * 2.0**-24).view(shape)
+
+
+def sample(probs: torch.Tensor, streams: list[RandomStream]) -> torch.Tensor:
+    """One token per row from probs (B, V) (need not sum to 1) by inverse CDF: one uniform per row, no host sync."""
+    u = uniform((probs.shape[0],), streams, probs.device)
+    cdf = probs.double().cumsum(-1)  # float64: no token's share drifts by float32 rounding over the vocabulary
+    index = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
+    # u < 1, but guard the rounding at the top end: never past the last token of positive probability.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(index, last)

@@ -20,7 +20,7 @@ from engine.fused import compile_events
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
-from engine.sampling import processed_probs, sample
+from engine.sampling import RandomStream, needs_filters, processed_probs, sample
 from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
 from engine.text import TextStream
 
@@ -285,16 +285,12 @@ class DecodeEngine:
         while free and self.waiting:
             req = self.waiting.popleft()
             slot = free.pop(0)
-            gen = None
-            if req.params.seed is not None:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(req.params.seed)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
             if draft is not None and not self.governor.allow(req.draft, rows):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
-            state = SlotState(req, slot, gen, stream, eos, draft=draft)
+            state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft)
             self.slots[slot] = state
             self._reset_row(slot)
             batch.append(state)
@@ -392,8 +388,9 @@ class DecodeEngine:
             torch.tensor([s.request.params.temperature for s in batch], device=device),
             torch.tensor([s.request.params.top_k for s in batch], device=device),
             torch.tensor([s.request.params.top_p for s in batch], device=device),
+            filtered=needs_filters(s.request.params for s in batch),
         )
-        return sample(probs, [s.generator for s in batch])
+        return sample(probs, [s.random for s in batch])
 
     def _ar_step(self, batch: list[SlotState]) -> tuple[list[list[int]], bool]:
         """`ar_steps_per_sync` plain decoding steps for these rows, tokens fed back on the device;

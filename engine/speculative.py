@@ -23,7 +23,7 @@ import torch
 
 from engine.cache import row_index
 from engine.model import StepContext
-from engine.sampling import processed_probs, sample
+from engine.sampling import needs_filters, processed_probs, sample
 from engine.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -141,13 +141,14 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     n_trunk = drafts[0].shared_layers
     pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
     pending = torch.tensor([s.pending for s in slots], device=device)
-    gens = [s.generator for s in slots]
+    streams = [s.random for s in slots]
     temperature = torch.tensor([s.request.params.temperature for s in slots], device=device)
     draft_temperature = torch.tensor(
         [s.request.params.draft_temperature if s.request.params.draft_temperature is not None
          else s.request.params.temperature for s in slots], device=device)
     top_k = torch.tensor([s.request.params.top_k for s in slots], device=device)
     top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
+    filtered = needs_filters(s.request.params for s in slots)
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
     capture = feature_layers_of(drafts)  # only what this round's drafts fuse in
@@ -206,8 +207,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                 token = draft_logits.argmax(-1)
                 probs = None
             else:
-                probs = processed_probs(draft_logits, draft_temperature, top_k, top_p)
-                token = sample(probs, gens)
+                probs = processed_probs(draft_logits, draft_temperature, top_k, top_p, filtered)
+                token = sample(probs, streams)
             block_tokens.append(token)
             block_probs.append(probs)
             drafted_tokens.append(token)
@@ -217,7 +218,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         if stopped and not block_tokens:
             # Stopped between blocks: rows that accepted everything so far take the bonus token from the
             # target distribution the last verify pass already gave for the next position.
-            bonus = carry_probs[:, 0].argmax(-1) if greedy else sample(carry_probs[:, 0], gens)
+            bonus = carry_probs[:, 0].argmax(-1) if greedy else sample(carry_probs[:, 0], streams)
             final_token = torch.where(done, final_token, bonus)
             break
         # Verify: the deep layers on every queued trunk state, starting where the trunk left off.
@@ -239,10 +240,10 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             res = verify_greedy(block, target_logits)
             carry_next = target_logits[:, -1:]
         else:
-            target_probs = processed_probs(target_logits, temperature, top_k, top_p)
+            target_probs = processed_probs(target_logits, temperature, top_k, top_p, filtered)
             if carry_probs is not None:
                 target_probs = torch.cat([carry_probs, target_probs], dim=1)
-            res = verify_sampled(block, torch.stack(block_probs, dim=1), target_probs, gens)
+            res = verify_sampled(block, torch.stack(block_probs, dim=1), target_probs, streams)
             carry_next = target_probs[:, -1:]
         live = ~done
         passes += live.long()

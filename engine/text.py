@@ -15,28 +15,42 @@ class TextStream:
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""  # decoded text of token_ids, cut at a stop string once one appears
+        self.text = ""  # decoded text of token_ids up to read_offset, cut at a stop string once one appears
         self.emitted = 0  # characters of self.text already returned
         self.stopped = False
+        # Incremental decoding: only the tokens from prefix_offset on are decoded at each push (not the
+        # whole output, which made a long output quadratic); ids[prefix_offset:read_offset] is already
+        # in `text` and is decoded again only as left context, so a tokenizer that drops a leading space
+        # at the start of a decode drops it from both and the difference is exact.
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.token_ids[start:end], skip_special_tokens=True)
+
+    def _advance(self, final: bool = False) -> None:
+        """Append the text of the tokens past read_offset, unless it ends in an incomplete character."""
+        prefix = self._decode(self.prefix_offset, self.read_offset)
+        new = self._decode(self.prefix_offset)
+        if len(new) > len(prefix) and (final or not new.endswith("\ufffd")):
+            self.text += new[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the new text that is safe to emit."""
         if self.stopped or not token_ids:
             return ""
         self.token_ids.extend(token_ids)
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if self.stop:
-            search_from = max(0, self.emitted - self.holdback - 1)
+        before = len(self.text)
+        self._advance()
+        if self.stop and len(self.text) > before:
+            search_from = max(0, min(before, self.emitted) - self.holdback - 1)
             hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
                 return self.flush()
         safe = len(self.text)
-        if self.text.endswith("\ufffd"):
-            safe = self.text.rfind("\ufffd")
-            while safe > 0 and self.text[safe - 1] == "\ufffd":
-                safe -= 1
         if self.stop:
             safe = min(safe, len(self.text) - self.holdback)
         if safe <= self.emitted:
@@ -47,6 +61,8 @@ class TextStream:
 
     def flush(self) -> str:
         """The rest of the text (at the end of the sequence)."""
+        if not self.stopped:
+            self._advance(final=True)
         delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta

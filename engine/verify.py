@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from engine.sampling import sample, uniform
+from engine.sampling import RandomStream, sample, uniform
 
 
 @dataclasses.dataclass
@@ -39,7 +39,7 @@ def verify_sampled(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
-    generators: list[torch.Generator | None],
+    streams: list[RandomStream],
 ) -> VerifyResult:
     """Leviathan et al.'s rejection sampling.
 
@@ -49,7 +49,7 @@ def verify_sampled(
     batch, k = draft_tokens.shape
     target_prob = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     draft_prob = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    u = uniform((batch, k), generators, draft_tokens.device)
+    u = uniform((batch, k), streams, draft_tokens.device)
     accepted = (u * draft_prob < target_prob).long()  # accept with probability min(1, target/draft)
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # (B,)
     # Pad the draft with a zero distribution at index k, so the bonus case is adjusted(t[k], 0) = t[k].
@@ -60,4 +60,4 @@ def verify_sampled(
     total = adjusted.sum(-1, keepdim=True)
     # target == draft exactly leaves no mass: then rejection never happens, keep the target as is.
     adjusted = torch.where(total > 0, adjusted / total.clamp_min(1e-30), target_at)
-    return VerifyResult(num_accepted, sample(adjusted, generators))
+    return VerifyResult(num_accepted, sample(adjusted, streams))

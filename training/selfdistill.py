@@ -52,7 +52,8 @@ def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_
         raise ValueError(f"no {domain} prompt has at most {max_prompt_tokens} tokens; raise max_prompt_tokens")
     # Rows finish a few at a time: admitting a quarter of the batch at once makes one prefill pass of many
     # prompts instead of one pass per step for one or two (offline work: no request waits on a user).
-    engine = DecodeEngine(model, tokenizer, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8,
+    # No tokenizer in the engine: replies are token ids, so no row pays for detokenizing text nobody reads.
+    engine = DecodeEngine(model, None, max_batch_size=batch_size, max_seq_len=max_prompt_tokens + max_new_tokens + 8,
                           min_admit=max(1, batch_size // 4))
     def params(index: int) -> SamplingParams:
         if temperature == 0:

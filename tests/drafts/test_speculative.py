@@ -434,15 +434,15 @@ def _draft_target_tv(model, draft, temperature, top_p) -> float:
     return 0.5 * (processed_probs(target_logits, *args) - processed_probs(draft_logits, *args)).abs().sum().item()
 
 
-def _accept_all(draft_tokens, draft_probs, target_probs, generators):
+def _accept_all(draft_tokens, draft_probs, target_probs, streams):
     batch, k = draft_tokens.shape
-    return VerifyResult(torch.full((batch,), k), sample(target_probs[:, k], generators))
+    return VerifyResult(torch.full((batch,), k), sample(target_probs[:, k], streams))
 
 
-def _recover_from_target(draft_tokens, draft_probs, target_probs, generators):
-    result = _REAL_VERIFY(draft_tokens, draft_probs, target_probs, generators)
+def _recover_from_target(draft_tokens, draft_probs, target_probs, streams):
+    result = _REAL_VERIFY(draft_tokens, draft_probs, target_probs, streams)
     rows = torch.arange(draft_tokens.shape[0])
-    wrong = sample(target_probs[rows, result.num_accepted], generators)
+    wrong = sample(target_probs[rows, result.num_accepted], streams)
     rejected = result.num_accepted < draft_tokens.shape[1]
     return VerifyResult(result.num_accepted, torch.where(rejected, wrong, result.next_token))
 

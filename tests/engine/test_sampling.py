@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, processed_probs, sample
+from engine.sampling import RandomStream, SamplingParams, needs_filters, processed_probs, sample, uniform
 
 BASE = torch.tensor([0.5, 0.3, 0.2])  # target probabilities at temperature 1
 LOGITS = BASE.log()[None]  # (1, 3)
@@ -67,17 +67,63 @@ def test_rows_and_extra_dims_use_their_own_parameters():
     assert torch.allclose(out3, out[:, None].expand(2, 4, 3))
 
 
-def test_sample_follows_the_distribution_and_its_generator():
+def test_sample_follows_the_distribution_and_its_seed():
     dist = torch.tensor([0.5, 0.3, 0.2, 0.0])
     n = 20000
-    gen = torch.Generator().manual_seed(0)
-    draws = torch.cat([sample(dist.expand(1000, 4).clone(), [gen] * 1000) for _ in range(n // 1000)])
-    freq = torch.bincount(draws, minlength=4).float() / n
-    assert freq[3] == 0
-    assert (freq - dist).abs().max() < 0.02  # ~4.5 standard errors at n = 20k
-    a = sample(dist.expand(8, 4).clone(), [torch.Generator().manual_seed(s) for s in range(8)])
-    b = sample(dist.expand(8, 4).clone(), [torch.Generator().manual_seed(s) for s in range(8)])
+    draws = sample(dist.expand(n, 4).clone(), [RandomStream(seed) for seed in range(n)])  # a draw per seed
+    stream = RandomStream(7)
+    draws_of_one = torch.cat([sample(dist[None].clone(), [stream]) for _ in range(2000)])  # draws of one stream
+    for got, count in ((draws, n), (draws_of_one, 2000)):
+        freq = torch.bincount(got, minlength=4).float() / count
+        assert freq[3] == 0
+        assert (freq - dist).abs().max() < 4.5 * (0.25 / count) ** 0.5, freq
+    a = sample(dist.expand(8, 4).clone(), [RandomStream(s) for s in range(8)])
+    b = sample(dist.expand(8, 4).clone(), [RandomStream(s) for s in range(8)])
     assert torch.equal(a, b)
+
+
+def test_sample_never_picks_a_token_without_mass():
+    probs = torch.zeros(4096, 6)
+    probs[:, 1] = 1e-30  # a tiny share, then nothing up to the end of the vocabulary
+    probs[::2, 0] = 1.0
+    got = sample(probs, [RandomStream(s) for s in range(4096)])
+    assert set(got.tolist()) <= {0, 1}
+    assert (got[1::2] == 1).all()
+
+
+def test_streams_are_uniform_independent_of_the_batch_and_advance():
+    streams = [RandomStream(s) for s in range(64)]
+    u = uniform((64, 500), streams, torch.device("cpu"))
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005  # sd of the mean of 32k uniforms: 0.0016
+    assert abs(u.var().item() - 1 / 12) < 0.003
+    # Neighbouring seeds and neighbouring draws are not correlated.
+    assert abs(torch.corrcoef(torch.stack([u[:-1].flatten(), u[1:].flatten()]))[0, 1]) < 0.03
+    assert abs(torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1]) < 0.03
+    # A row's draws depend on its own seed and count only: alone, or after others drew more.
+    alone = RandomStream(5)
+    first = uniform((1, 500), [alone], torch.device("cpu"))
+    assert torch.equal(first[0], u[5])
+    assert all(s.drawn == 500 for s in streams)
+    nxt = uniform((2, 3), [streams[5], RandomStream(99)], torch.device("cpu"))
+    assert torch.equal(nxt[0], uniform((1, 3), [alone], torch.device("cpu"))[0])
+
+
+def test_unseeded_streams_follow_torch_manual_seed():
+    torch.manual_seed(3)
+    a = [RandomStream().key for _ in range(4)]
+    torch.manual_seed(3)
+    assert a == [RandomStream().key for _ in range(4)]
+    assert len(set(a)) == 4
+
+
+def test_unfiltered_probs_skip_the_sort_but_match():
+    logits = torch.randn(5, 50)
+    temp, top_k, top_p = torch.tensor([0.0, 0.5, 1.0, 1.5, 0.0]), torch.zeros(5, dtype=torch.long), torch.ones(5)
+    assert torch.allclose(processed_probs(logits, temp, top_k, top_p, filtered=False),
+                          processed_probs(logits, temp, top_k, top_p), atol=1e-6)
+    assert needs_filters([SamplingParams(top_p=0.9)]) and needs_filters([SamplingParams(), SamplingParams(top_k=3)])
+    assert not needs_filters([SamplingParams(temperature=1.0)])
 
 
 @pytest.mark.parametrize(

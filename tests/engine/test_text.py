@@ -62,3 +62,37 @@ def test_word_tokenizer_stream(tiny):
     deltas = _push_all(stream, ids)
     assert "".join(deltas) == "w5 w6 w7 "
     assert stream.stopped
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        self.longest = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_each_push_decodes_a_short_window_not_the_whole_output():
+    """A long output costs linear time: each push decodes the last few tokens, not everything so far."""
+    tok = CountingTokenizer()
+    stream = TextStream(tok, ("STOP",))
+    text = "ü → x " * 400  # multi-byte characters throughout, 4,000 bytes
+    deltas = _push_all(stream, list(text.encode()), 1)
+    assert "".join(deltas) == text
+    assert tok.longest <= 8
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_real_tokenizer_deltas_add_up_to_its_decode(chunk):
+    from transformers import AutoTokenizer
+
+    from engine.loading import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_dir("default"))
+    text = "def f(x):\n    return x  # ünïcode 🙂 中文 テスト\n\n  spaced   out\tand Ω done."
+    ids = tok(text, add_special_tokens=False).input_ids
+    stream = TextStream(tok)
+    deltas = _push_all(stream, ids, chunk)
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)

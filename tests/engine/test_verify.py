@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.sampling import RandomStream
 from engine.verify import verify_greedy, verify_sampled
 
 N = 40000
@@ -51,6 +52,11 @@ def test_greedy_stops_at_the_first_mismatch_per_row():
     assert res.next_token.tolist() == [3, 2, 4]
 
 
+def streams(n: int, seed: int) -> list[RandomStream]:
+    """One random stream per row, as the engine gives each request its own."""
+    return [RandomStream(seed * 1_000_003 + r) for r in range(n)]
+
+
 def _rows(dist: torch.Tensor, n: int) -> torch.Tensor:
     return dist.expand(n, *dist.shape).clone()
 
@@ -60,8 +66,8 @@ def test_sampled_all_accepted_when_target_covers_the_draft():
     draft = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.8, 0.0, 0.0]])  # (k=2, V)
     target = torch.tensor([[0.6, 0.4, 0.0, 0.0], [0.1, 0.9, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])  # (k+1, V)
     tokens = torch.tensor([0, 1])
-    gen = torch.Generator().manual_seed(0)
-    res = verify_sampled(_rows(tokens, N), _rows(draft, N), _rows(target, N), [gen] * N)
+    seed = 0
+    res = verify_sampled(_rows(tokens, N), _rows(draft, N), _rows(target, N), streams(N, seed))
     assert (res.num_accepted == 2).all()
     assert tv(freq(res.next_token, 4), target[2]) < threshold(4)
 
@@ -69,8 +75,8 @@ def test_sampled_all_accepted_when_target_covers_the_draft():
 def test_sampled_first_rejected_when_the_target_excludes_the_token():
     draft = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.25] * 4])
     target = torch.tensor([[0.5, 0.0, 0.5, 0.0], [0.25] * 4, [0.25] * 4])
-    gen = torch.Generator().manual_seed(1)
-    res = verify_sampled(_rows(torch.tensor([1, 0]), N), _rows(draft, N), _rows(target, N), [gen] * N)
+    seed = 1
+    res = verify_sampled(_rows(torch.tensor([1, 0]), N), _rows(draft, N), _rows(target, N), streams(N, seed))
     assert (res.num_accepted == 0).all()
     # recovered ~ normalize(max(0, target - draft)) = target here (the draft's only token has target mass 0)
     assert tv(freq(res.next_token, 4), target[0]) < threshold(4)
@@ -81,9 +87,10 @@ def test_sampled_acceptance_rate_and_recovered_distribution():
     follows normalize(max(0, t - d)); overall the emitted token follows the target exactly."""
     target = torch.tensor([0.1, 0.4, 0.2, 0.3])
     draft = torch.tensor([0.4, 0.1, 0.3, 0.2])
-    gen = torch.Generator().manual_seed(2)
+    seed = 2
+    gen = torch.Generator().manual_seed(seed)
     drafted = torch.multinomial(draft, N, replacement=True, generator=gen)  # (N,)
-    res = verify_sampled(drafted[:, None], _rows(draft[None], N), _rows(torch.stack([target, target]), N), [gen] * N)
+    res = verify_sampled(drafted[:, None], _rows(draft[None], N), _rows(torch.stack([target, target]), N), streams(N, seed))
     accepted = res.num_accepted == 1
     for tok in range(4):
         rate = accepted[drafted == tok].float().mean().item()
@@ -102,8 +109,8 @@ def test_sampled_acceptance_rate_and_recovered_distribution():
 def test_sampled_second_position_rejected_recovers_from_that_position():
     draft = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]])  # d0 = 1 (certain), d1 = 0
     target = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.25, 0.5], [1.0, 0.0, 0.0]])
-    gen = torch.Generator().manual_seed(3)
-    res = verify_sampled(_rows(torch.tensor([1, 0]), N), _rows(draft, N), _rows(target, N), [gen] * N)
+    seed = 3
+    res = verify_sampled(_rows(torch.tensor([1, 0]), N), _rows(draft, N), _rows(target, N), streams(N, seed))
     # d1 = 0 is accepted with probability 0.25 / 0.5; on acceptance the bonus comes from t[2] = token 0.
     assert set(res.num_accepted.unique().tolist()) == {1, 2}
     assert abs((res.num_accepted == 2).float().mean().item() - 0.5) < 0.02
@@ -114,21 +121,21 @@ def test_sampled_second_position_rejected_recovers_from_that_position():
 
 def test_identical_distributions_always_accept():
     dist = torch.tensor([[0.3, 0.7], [0.6, 0.4], [0.5, 0.5]])
-    gen = torch.Generator().manual_seed(4)
+    seed = 4
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.multinomial(dist[:2], 2000, replacement=True, generator=gen).T  # (2000, 2)
-    res = verify_sampled(tokens, _rows(dist[:2], 2000), _rows(dist, 2000), [gen] * 2000)
+    res = verify_sampled(tokens, _rows(dist[:2], 2000), _rows(dist, 2000), streams(2000, seed))
     assert (res.num_accepted == 2).all()
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sampled_is_reproducible_per_row_generator(seed):
+def test_sampled_is_reproducible_per_row_stream(seed):
     draft = torch.softmax(torch.randn(8, 3, 5, generator=torch.Generator().manual_seed(9)), -1)
     target = torch.softmax(torch.randn(8, 4, 5, generator=torch.Generator().manual_seed(10)), -1)
     tokens = torch.randint(0, 5, (8, 3), generator=torch.Generator().manual_seed(11))
 
     def run():
-        gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(8)]
-        res = verify_sampled(tokens, draft, target, gens)
+        res = verify_sampled(tokens, draft, target, streams(8, seed * 100))
         return res.num_accepted.tolist(), res.next_token.tolist()
 
     assert run() == run()
