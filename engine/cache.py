@@ -80,6 +80,11 @@ class KVCache:
         k, v = self.k[layer], self.v[layer]
         if rows is None:
             return k[:, :, :kv_len], v[:, :, :kv_len]
+        if isinstance(rows, torch.Tensor) and 2 * kv_len >= self.max_seq_len:
+            # Most of each row is read anyway: index_select copies whole rows at memory speed, where the
+            # advanced-index gather of a narrowed view runs several times slower (on an H200, batch 256,
+            # 512 of 560 slots: 31 us against 123 us a tensor, most of a decode step's time).
+            return k.index_select(0, rows)[:, :, :kv_len], v.index_select(0, rows)[:, :, :kv_len]
         return k[rows, :, :kv_len], v[rows, :, :kv_len]
 
     def visibility(self, input_pos: torch.Tensor, rows: torch.Tensor | None, kv_len: int) -> torch.Tensor:

@@ -35,6 +35,19 @@ def test_write_at_explicit_positions_of_chosen_rows():
     assert keys.shape == (2, 2, 8, 4) and torch.equal(keys[1, :, 5:8], k[1])
 
 
+def test_reading_chosen_rows_gives_the_same_views_short_or_long():
+    """Row sets read through index_select (most of the row wanted) or a gather (a short prefix): same values."""
+    cache = KVCache(2, 5, 2, 10, 4)
+    for layer in range(2):
+        cache.k[layer].copy_(torch.randn(5, 2, 10, 4))
+        cache.v[layer].copy_(torch.randn(5, 2, 10, 4))
+    rows = torch.tensor([3, 0, 4])
+    for kv_len in (2, 4, 5, 9, 10):  # below and at or above half the row
+        keys, values = cache.read(1, rows, kv_len)
+        assert torch.equal(keys, cache.k[1][[3, 0, 4], :, :kv_len])
+        assert torch.equal(values, cache.v[1][[3, 0, 4], :, :kv_len])
+
+
 def test_visibility_is_by_position():
     mask = visibility_mask(torch.tensor([[3, 4], [0, 1]]), 6)  # (B, 1, T, S)
     assert mask.shape == (2, 1, 2, 6)
