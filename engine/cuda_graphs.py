@@ -8,6 +8,7 @@ the outputs (a later replay of the same graph overwrites its output buffers).
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -28,8 +29,18 @@ class CapturedStep:
                 fn(**self.static)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(**self.static)
+        # No garbage collection inside the capture: torch.cuda.graph no longer collects before it starts,
+        # and a collection that starts inside it and frees an unreachable engine's graphs (a benchmark's
+        # previous row: the graphs' functions reference their engine, a cycle) destroys a graph while the
+        # stream captures, which CUDA refuses, and the capture fails. Collection resumes afterwards.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.outputs = fn(**self.static)
+        finally:
+            if collecting:
+                gc.enable()
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
         for name, value in inputs.items():

@@ -117,7 +117,12 @@ class RandomStream:
 def uniform(shape: tuple[int, ...], streams: list[RandomStream], device: torch.device) -> torch.Tensor:
     """Uniform [0, 1) float32 draws (24 bits), row b from streams[b]; shape[0] == len(streams)."""
     per_row = math.prod(shape[1:])
-    state = torch.tensor([[s.key, s.drawn] for s in streams], dtype=torch.long).to(device, non_blocking=True)
+    if not streams:
+        return torch.empty(shape, device=device)
+    state = torch.tensor([[s.key, s.drawn] for s in streams], dtype=torch.long)
+    if torch.device(device).type == "cuda":  # pinned: the copy is queued, not waited for
+        state = state.pin_memory()
+    state = state.to(device, non_blocking=True)
     for s in streams:
         s.drawn = (s.drawn + per_row) & _M32
     counters = (state[:, 1:] + torch.arange(per_row, device=device)) & _M32  # (B, per_row)

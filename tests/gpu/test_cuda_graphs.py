@@ -94,3 +94,33 @@ def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed):
                     submit(queue.pop(0))
         outs[graphs] = got
     assert outs[True] == outs[False]
+
+
+def test_a_collection_inside_a_capture_does_not_free_another_graph():
+    """Garbage holding a captured graph (an engine dropped in a reference cycle) must not be collected while
+    another graph captures: CUDA refuses to destroy a graph then, and the capture fails."""
+    import gc
+
+    from engine.cuda_graphs import CapturedStep
+
+    x = torch.ones(4, device="cuda")
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(100_000, 10, 10)  # no automatic collection until many new container objects
+    try:
+        old = CapturedStep(lambda x: (x * 2,), {"x": x})
+        cycle = [old]
+        cycle.append(cycle)
+        del old, cycle  # unreachable now: only the cyclic collector frees it, and its graph with it
+
+        def fn(x):
+            if torch.cuda.is_current_stream_capturing():
+                junk = [[] for _ in range(150_000)]  # enough new objects to start a collection mid-capture
+                del junk
+            return (x + 1,)
+
+        step = CapturedStep(fn, {"x": x})
+        assert torch.equal(step({"x": x})[0], x + 1)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
