@@ -183,7 +183,7 @@ def main() -> None:
     t.add_argument("--teacher-cache-gb", type=float, default=32.0,
                    help="device memory for the target's cached states (train-draft --teacher-cache-gb)")
     t.add_argument("--tag", default="demo")
-    t.add_argument("--version", default="demo-v7")
+    t.add_argument("--version", default="demo-v8")
     t.add_argument("--device", default="cuda")
     t.add_argument("--steps", type=int, default=20000, help="optimizer steps (at most; see --max-seconds)")
     t.add_argument("--max-seconds", type=float, default=None, help="training-loop time budget per domain")
@@ -195,12 +195,12 @@ def main() -> None:
     t.add_argument("--seq-len", type=int, default=384)
     t.add_argument("--lr-adapters", type=float, default=3e-4)
     t.add_argument("--lr-head", type=float, default=6e-4)
-    t.add_argument("--self-distill", type=int, default=3000, help="prompts answered by the target (0: raw text only)")
+    t.add_argument("--self-distill", type=int, default=4000, help="prompts answered by the target (0: raw text only)")
     t.add_argument("--reply-tokens", type=int, default=160)
-    t.add_argument("--sampled-replies", type=int, default=2,
+    t.add_argument("--sampled-replies", type=int, default=3,
                    help="extra sampled replies per self-distilled prompt (more of the target's own text per prompt)")
     t.add_argument("--sample-temperature", type=float, default=0.8)
-    t.add_argument("--gen-batch", type=int, default=128)
+    t.add_argument("--gen-batch", type=int, default=512)
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)
     t.add_argument("--eval-prompt-tokens", type=int, default=512)
