@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -238,6 +239,17 @@ class Bench:
         self.rows.append(row)
         print(json.dumps(row), flush=True)
 
+    def measure(self, setting, name, run) -> dict | None:
+        """Run one row (`run()` -> row or None) and add it. A row that raises is kept as failed, with its error,
+        and the table goes on: one broken row must not lose the rest of a GPU run. Returns the row."""
+        try:
+            row = run()
+        except Exception as exc:  # noqa: BLE001 - whatever broke, it is reported in the row and in the log
+            traceback.print_exc()
+            row = {"tps": None, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+        self.add(setting, name, row)
+        return row
+
 
 def load_drafts(folder: str | None, target) -> dict:
     from drafts.checkpoint import load_draft
@@ -345,13 +357,13 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
 def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> None:
     """The best drafts at each block size, and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
     for block in blocks:
-        bench.add(setting, f"FlashSpec best drafts, block {block}{suffix}",
-                  bench.run_engine(*workload, best, block=block, reference=ref))
+        bench.measure(setting, f"FlashSpec best drafts, block {block}{suffix}",
+                      lambda: bench.run_engine(*workload, best, block=block, reference=ref))
     if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: one drafting graph
-        bench.add(setting, f"FlashSpec best drafts, block 5, one-graph mixed rounds{suffix}",
-                  bench.run_engine(*workload, best, block=5, reference=ref, mixed_round_graph=True))
-    bench.add(setting, f"FlashSpec best drafts, block 5, governor{suffix}",
-              bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
+        bench.measure(setting, f"FlashSpec best drafts, block 5, one-graph mixed rounds{suffix}",
+                      lambda: bench.run_engine(*workload, best, block=5, reference=ref, mixed_round_graph=True))
+    bench.measure(setting, f"FlashSpec best drafts, block 5, governor{suffix}",
+                  lambda: bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
 
 
 def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) -> list[str]:
@@ -375,13 +387,14 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
         ref = refs[setting]
-        bench.add(setting, "engine AR (fused)", bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
+        bench.measure(setting, "engine AR (fused)",
+                      lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
         if best:
             best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, " (fused)", args.blocks)
         else:
             for block, label in ((2, "block 2"), (5, "block gamma")):
-                bench.add(setting, f"FlashSpec {kind_name}, {label} (fused)",
-                          bench.run_engine(prompts, domains, new, greedy, bs, seed, block=block, reference=ref))
+                bench.measure(setting, f"FlashSpec {kind_name}, {label} (fused)",
+                              lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=block, reference=ref))
     layers = target.args.num_layers
     fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
     per_layer = lambda k: k / layers if k is not None else None  # noqa: E731
@@ -399,6 +412,12 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
             continue
         base = next((x for x in bench.rows if x["setting"] == r["setting"] and x["name"] == r["name"][: -len(" (fused)")]),
                     None)
+        if base is not None and base["tps"] is None:
+            base = None  # the unfused row failed
+        if r["tps"] is None:
+            lines.append(f"| {r['setting']} | {r['name']} | {fmt(base['tps'] if base else None, '{:.1f}')} | "
+                         f"failed: {r['error']} | - | - |")
+            continue
         ratio = r["tps"] / base["tps"] if base else None
         lines.append(f"| {r['setting']} | {r['name']} | {fmt(base['tps'] if base else None, '{:.1f}')} | {r['tps']:.1f} | "
                      f"{fmt(ratio)}x | {fmt(r.get('agreement'), '{:.3f}')} |")
@@ -412,9 +431,18 @@ def main_table(bench: Bench, args) -> list[str]:
              "",
              "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
              "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    return lines + table_rows(bench.rows)
+
+
+def table_rows(rows: list[dict]) -> list[str]:
+    """The main table's rows; a failed row shows its error and no figures."""
     fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
-    for r in bench.rows:
-        same = [x for x in bench.rows if x["setting"] == r["setting"]]
+    lines = []
+    for r in rows:
+        if r["tps"] is None:
+            lines.append(f"| {r['setting']} | {r['name']} | failed: {r['error']} | - | - | - | - | - | - |")
+            continue
+        same = [x for x in rows if x["setting"] == r["setting"]]
         ar_tps = next((x["tps"] for x in same if x["name"] == "engine AR"), None)
         st_tps = next((x["tps"] for x in same if x["name"] == "transformers generate (static)"), None)
         lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
@@ -481,16 +509,16 @@ def main() -> None:
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
         if not args.skip_hf:
             for mode in args.hf_modes.split(","):
-                bench.add(setting, f"transformers generate ({mode})", bench.run_hf(prompts, new, greedy, mode, bs))
-        ar = bench.run_engine(prompts, domains, new, greedy, bs, None)
-        bench.add(setting, "engine AR", ar)
-        ref = ar["outs"]
+                bench.measure(setting, f"transformers generate ({mode})",
+                              lambda: bench.run_hf(prompts, new, greedy, mode, bs))
+        ar = bench.measure(setting, "engine AR", lambda: bench.run_engine(prompts, domains, new, greedy, bs, None))
+        ref = ar.get("outs")  # None when the AR row failed: the other rows then go unchecked against it
         refs[setting] = ref
         if not args.skip_seed:
-            bench.add(setting, "FlashSpec seed-default shape, block 2",
-                      bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
-            bench.add(setting, "FlashSpec seed-default shape, block gamma",
-                      bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
+            bench.measure(setting, "FlashSpec seed-default shape, block 2",
+                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
+            bench.measure(setting, "FlashSpec seed-default shape, block gamma",
+                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
         if best:
             best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, blocks=args.blocks)
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one

@@ -26,3 +26,24 @@ def test_greedy_outputs_agree_everywhere_and_a_changed_token_is_one_miss_with_it
     gap = float(logits.max() - logits.sort().values[-2])
     assert report["fp32_misses"] >= 1 and report["fp32_agreement"] <= 1 - 1 / 24
     assert report["fp32_gap_max"] >= gap - 1e-5 > 0  # the changed token is one of the misses, with its gap
+
+
+def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
+    from bench.gpu import Bench, table_rows
+
+    bench = Bench.__new__(Bench)  # no model: only the row bookkeeping
+    bench.rows = []
+    ar = bench.measure("bs 1", "engine AR", lambda: {"tps": 100.0, "outs": [[1, 2]]})
+    assert ar["outs"] == [[1, 2]] and "outs" not in bench.rows[0]  # the caller keeps the outputs, the table not
+
+    def broken():
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nmore lines")
+
+    failed = bench.measure("bs 1", "FlashSpec, governor", broken)
+    assert failed["tps"] is None and failed["error"].startswith("RuntimeError: CUDA error: operation failed")
+    bench.measure("bs 1", "FlashSpec, block 5", lambda: {"tps": 150.0, "mal": 2.5})
+    assert bench.measure("bs 1", "transformers lookup", lambda: None) is None  # a row that does not apply
+    lines = table_rows(bench.rows)
+    assert len(lines) == 3
+    assert "failed: RuntimeError: CUDA error" in lines[1] and "more lines" not in lines[1]
+    assert "| 150.0 | 1.50x |" in lines[2]

@@ -50,9 +50,20 @@ def _complete(base: str, **body) -> httpx.Response:
     return httpx.post(f"{base}/v1/completions", json=body, headers=AUTH, timeout=120)
 
 
+def _complete_when_admitted(base: str, **body) -> httpx.Response:
+    """A client that does what a full replica's 503 `server_overloaded` asks: retry shortly. (n concurrent
+    requests may land more than a replica's capacity on one of the two replicas.)"""
+    for _ in range(50):
+        response = _complete(base, **body)
+        if response.status_code != 503 or response.json()["error"]["code"] != "server_overloaded":
+            return response
+        time.sleep(0.1)
+    return response
+
+
 def _replicas_seen(base: str, n: int = 8, **body) -> dict[str, set]:
     with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        responses = list(pool.map(lambda _: _complete(base, **body), range(n)))
+        responses = list(pool.map(lambda _: _complete_when_admitted(base, **body), range(n)))
         assert all(r.status_code == 200 for r in responses), [r.text[:300] for r in responses if r.status_code != 200]
         outs = [r.json()["flashspec"] for r in responses]
     seen: dict[str, set] = {}
