@@ -151,13 +151,14 @@ def bench_spec(
     block: Annotated[Optional[list[int]], typer.Option(help="Block size(s) to run (default: 2 and gamma).")] = None,
     draft_confidence: Annotated[list[float], typer.Option(help="draft_confidence value(s) to run (0 = off).")] = [0.0],
     repeats: Annotated[int, typer.Option(help="Interleaved passes (AR, every row, AR, ...); speedup = median over them.")] = 1,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature of every path (0 = greedy).")] = 0.0,
 ) -> None:
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
 
     run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=tuple(gamma),
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
-        repeats=repeats)
+        repeats=repeats, temperature=temperature)
 
 
 @app.command()

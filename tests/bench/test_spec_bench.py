@@ -48,3 +48,19 @@ def test_several_gammas_each_a_row_and_a_long_block_is_one_verify(monkeypatch, t
     rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=1, max_new_tokens=4, gamma=(5, 7),
                           blocks=(7,))
     assert [r["name"].split(") ")[1] for r in rows[1:]] == ["gamma 5 block 5", "gamma 7 block 7"]
+
+
+def test_a_temperature_samples_every_path_and_does_not_compare_outputs(monkeypatch, tiny_target, capsys):
+    seen = []
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [12.0])
+    real = spec_bench.measure
+
+    def measure(engine, prompts, params, draft_name):
+        seen.append(params.temperature)
+        return real(engine, prompts, params, draft_name)
+
+    monkeypatch.setattr(spec_bench, "measure", measure)
+    spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=1, max_new_tokens=4, blocks=(5,), temperature=1.0)
+    assert seen[1:] == [1.0, 1.0, 1.0]  # every measured pass (the warm-up aside) samples at T=1
+    out = capsys.readouterr().out
+    assert "T=1, batch 1" in out and "- (sampled)" in out and "1/1" not in out
