@@ -134,7 +134,8 @@ def sample(probs: torch.Tensor, streams: list[RandomStream]) -> torch.Tensor:
     """One token per row from probs (B, V) (need not sum to 1) by inverse CDF: one uniform per row, no host sync."""
     u = uniform((probs.shape[0],), streams, probs.device)
     cdf = probs.double().cumsum(-1)  # float64: no token's share drifts by float32 rounding over the vocabulary
-    index = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True).squeeze(1)
-    # u < 1, but guard the rounding at the top end: never past the last token of positive probability.
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    return torch.minimum(index, last)
+    total = cdf[:, -1:]
+    # u < 1, but the product can round up to the total: keep the point below it, so the first entry of
+    # the CDF above it is a token of positive probability, never the zero tail after the last one.
+    point = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1)

@@ -96,16 +96,16 @@ class DecodeEngine:
                 )
         if draft.shared_layers > self.model.args.num_layers:
             raise ValueError(f"draft {name!r} shares {draft.shared_layers} layers; the target has {self.model.args.num_layers}")
+        bad = [c for c in getattr(draft, "feature_layers", ()) if not draft.shared_layers < c < self.model.args.num_layers]
+        if bad:
+            raise ValueError(f"draft {name!r} fuses the states after target layers {bad}; they must lie strictly "
+                             f"between its trunk ({draft.shared_layers} layers) and the target's {self.model.args.num_layers}")
         need = draft.adapter_layers
         if self.draft_cache is None or self.draft_cache.num_layers < need:
             if self.draft_cache is not None and any(s is not None and s.draft is not None for s in self.slots):
                 raise ValueError(f"draft {name!r} needs {need} adapter layers, more than the running drafts' cache holds; "
                                  "load it while no speculative request runs")
             self.draft_cache = self._new_draft_cache(need)
-        bad = [c for c in getattr(draft, "feature_layers", ()) if not draft.shared_layers < c < self.model.args.num_layers]
-        if bad:
-            raise ValueError(f"draft {name!r} fuses the states after target layers {bad}; they must lie strictly "
-                             f"between its trunk ({draft.shared_layers} layers) and the target's {self.model.args.num_layers}")
         if draft.feature_input == "deep" and not self._deep_ready:
             b, h, w = self.cache_rows, self._hidden, self.spec.num_speculative_tokens + 2
             self.last_feature = torch.zeros(b, h, device=self.device, dtype=self.dtype)

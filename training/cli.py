@@ -83,14 +83,6 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(code=1) from exc
 
 
-def _int_list(text: str, option: str) -> list[int]:
-    """'10,20' -> [10, 20]; '' -> []."""
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{option} takes a comma list of integers such as 10,20, got {text!r}") from None
-
-
 def _errors() -> tuple[type[Exception], ...]:
     from drafts.checkpoint import DraftLoadError
     from drafts.store import StoreError
@@ -281,7 +273,7 @@ def train_draft(
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads.")] = None,
 ) -> None:
     """Train a domain draft, evaluate it with the real decoder, publish it to the store, activate it if the gate passes."""
-    from training.distill import TrainConfig, check_train_domain
+    from training.distill import TrainConfig, check_train_domain, layer_list
     from training.pipeline import run_pipeline
 
     _threads(threads)
@@ -292,7 +284,7 @@ def train_draft(
         run_dir = out or flashspec_home() / "runs" / domain
         cfg = TrainConfig(
             domain=domain, shared_layers=shared_layers, adapter_layers=adapter_layers, head=head,
-            feature_input=feature_input, head_vocab=head_vocab or None, feature_layers=_int_list(feature_layers, "--feature-layers"),
+            feature_input=feature_input, head_vocab=head_vocab or None, feature_layers=layer_list(feature_layers),
             steps=steps, max_seconds=max_seconds,
             batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,

@@ -226,7 +226,9 @@ def main() -> None:
         return
     shape = SHAPES[args.shape]
     if args.feature_layers is not None:
-        shape = {**shape, "feature_layers": [int(x) for x in args.feature_layers.split(",") if x.strip()]}
+        from training.distill import layer_list
+
+        shape = {**shape, "feature_layers": layer_list(args.feature_layers)}
     data = {d: json.load(gzip.open(args.data / f"{d}.json.gz", "rt")) for d in DOMAINS}
     for domain in args.domains.split(","):
         names = DOMAINS if domain == "mixed" else (domain,)

@@ -39,6 +39,14 @@ class TrainError(RuntimeError):
     """Training cannot start or continue; the message says what to fix."""
 
 
+def layer_list(text: str, option: str = "--feature-layers") -> list[int]:
+    """A command line's comma list of layer counts: '10,20' -> [10, 20]; '' -> []."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} takes a comma list of integers such as 10,20, got {text!r}") from None
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

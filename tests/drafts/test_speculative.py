@@ -668,3 +668,16 @@ def test_drafts_fusing_different_layers_share_a_batch(target, graphs):
     assert [r.token_ids for r in results] == ar_greedy(target, lengths)
     assert [r.stats.acceptance_rate == 1.0 for r in (results[0], results[2], results[4])] == [True] * 3
     assert results[3].stats.acceptance_rate < 1.0
+
+
+def test_a_draft_fusing_layers_outside_the_verify_pass_is_refused_before_anything_changes(target):
+    """The engine checks a draft's feature layers against its own target (a draft built for another target
+    would otherwise capture nothing or the wrong states) before it allocates anything for the draft."""
+    import types
+
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64)
+    stranger = types.SimpleNamespace(shared_layers=1, adapter_layers=2, feature_input="deep",
+                                     feature_layers=(target.args.num_layers,))
+    with pytest.raises(ValueError, match="strictly between"):
+        eng.add_draft("d", stranger)
+    assert eng.drafts == {} and eng.draft_cache is None
