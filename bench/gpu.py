@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.ar import setup_line
+from engine.attention import BACKENDS
 
 DOMAINS = ("code", "general", "dialog")
 
@@ -424,6 +425,55 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     return lines
 
 
+def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[str]:
+    """Rows again with each backend of --attention-compare (on the fused path when --fused ran): engine AR
+    and the best drafts at block 5, with and without the governor; returns the comparison table."""
+    target = bench.loaded.model
+    base_suffix = " (fused)" if args.fused else ""
+    fused_sizes = {int(b) for b in args.fused_batch_sizes.split(",")} if args.fused and args.fused_batch_sizes else None
+    settings = [s for s in settings if fused_sizes is None or s[0] in fused_sizes]
+    steps = {target.backend.name: step_profile(target)}
+    names = []
+    for name in args.attention_compare.split(","):
+        target.set_attention_backend(name)
+        if target.backend.name != name:
+            print(f"attention backend {name} unavailable here; its rows are left out", flush=True)
+            continue
+        steps[name] = step_profile(target)
+        names.append(name)
+        suffix = f" (fused, {name} attention)" if args.fused else f" ({name} attention)"
+        for bs, kind, new, greedy in settings:
+            setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
+            prompts, domains = pick_prompts(bench.prompts, kind, bs)
+            ref = refs[setting]
+            bench.measure(setting, f"engine AR{suffix}",
+                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
+            if best:
+                best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, suffix, (5,))
+    target.set_attention_backend(args.attention)
+    fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
+    lines = ["", f"Attention backends (model.set_attention_backend) against {args.attention}, same run"
+                 f"{' on the fused path' if args.fused else ''}. Greedy agreement is with the first engine AR row.",
+             "| decode step, bs 1, 1 token, 512 context | CUDA graph replay, ms | CUDA kernels per eager step |", "|---|---|---|"]
+    lines += [f"| {n} | {st['ms']:.3f} | {fmt(st['kernels'], '{}')} |" for n, st in steps.items()]
+    lines += ["", f"| setting | path | {args.attention} tokens/s | tokens/s | ratio | mean accepted length | "
+                  "greedy agreement with AR |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        suffix = f" (fused, {name} attention)" if args.fused else f" ({name} attention)"
+        for r in bench.rows:
+            if not r["name"].endswith(suffix):
+                continue
+            base_name = r["name"][: -len(suffix)] + base_suffix
+            base = next((x for x in bench.rows if x["setting"] == r["setting"] and x["name"] == base_name), None)
+            bt = base["tps"] if base is not None else None
+            if r["tps"] is None:
+                lines.append(f"| {r['setting']} | {r['name']} | {fmt(bt, '{:.1f}')} | failed: {r['error']} | - | - | - |")
+                continue
+            lines.append(f"| {r['setting']} | {r['name']} | {fmt(bt, '{:.1f}')} | {r['tps']:.1f} | "
+                         f"{fmt(r['tps'] / bt if bt else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('agreement'), '{:.3f}')} |")
+    return lines
+
+
 def main_table(bench: Bench, args) -> list[str]:
     """The setup line and one row per measured path, with ratios to engine AR and transformers static."""
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
@@ -489,6 +539,10 @@ def main() -> None:
                         help="measured passes per row after the warm-up one; tokens/s is their median")
     parser.add_argument("--no-fp32-check", dest="fp32_check", action="store_false",
                         help="leave out the check of greedy rows' tokens against the fp32 target")
+    parser.add_argument("--attention", default="sdpa", choices=BACKENDS, help="attention backend of every row")
+    parser.add_argument("--attention-compare", default=None,
+                        help="comma list of other backends (e.g. triton): engine AR and block-5 rows again with each, "
+                             "after the other rows (on the fused path with --fused), and a comparison table")
     parser.add_argument("--out", default=None)
     parser.add_argument("--fused", nargs="?", const="compiled", choices=("compiled", "hand"), default=None,
                         help="also run the fused inference path after the unfused rows: 'compiled' (the default "
@@ -497,6 +551,7 @@ def main() -> None:
     args = parser.parse_args()
     bench = Bench(args)
     target = bench.loaded.model
+    target.set_attention_backend(args.attention)
     best = load_drafts(args.drafts, target)
     seed = seed_default_drafts(args.seed_drafts, target)
     sizes = [1] if args.quick else [int(b) for b in args.batch_sizes.split(",")]
@@ -524,7 +579,8 @@ def main() -> None:
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []
-    lines = main_table(bench, args) + fused_lines + fp32_table(bench)
+    attention_lines = run_attention(bench, args, settings, refs, best) if args.attention_compare else []
+    lines = main_table(bench, args) + fused_lines + attention_lines + fp32_table(bench)
     if not args.skip_cost:
         lines += [""] + cost_model(fused=args.fused)
     text = "\n".join(lines)

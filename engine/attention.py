@@ -2,8 +2,10 @@
 
 A backend takes queries for the new tokens and the cached keys/values of the rows (already
 containing the new tokens) plus a boolean visibility mask, and returns the attention output.
-PyTorch SDPA is the default and always available; FlexAttention is imported lazily and falls back
-to SDPA with a log line when unavailable.
+PyTorch SDPA is the default and always available. FlexAttention and the Triton kernel
+(`engine.triton_attention`, GPU) are imported lazily; each falls back to SDPA, with a log line, where it
+is unavailable, and the Triton backend hands SDPA every call its kernel does not serve (prefill, CPU).
+flash-attn and flashinfer are not wired in: asking for them runs SDPA and says so.
 """
 
 from __future__ import annotations
@@ -53,9 +55,43 @@ class FlexBackend:
         return self._flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def make_backend(name: str = "sdpa") -> AttentionBackend:
-    """`sdpa` (default) or `flex`; `flash_attn` and `flashinfer` fall back to SDPA with a warning."""
+class TritonBackend:
+    """One Triton kernel per call for the short steps (decode, draft, verify: up to 64 query heads x new
+    tokens per KV head); SDPA for everything else (prefill, CPU tensors)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from engine.triton_attention import triton_attention
+
+        self._kernel = triton_attention
+        self._sdpa = SdpaBackend()
+
+    def __call__(self, q, k, v, mask):
+        out = self._kernel(q, k, v, mask) if q.is_cuda else None
+        return out if out is not None else self._sdpa(q, k, v, mask)
+
+
+BACKENDS = ("auto", "sdpa", "flex", "triton", "flash_attn", "flashinfer")
+
+
+def make_backend(name: str = "sdpa", device: str | torch.device | None = None) -> AttentionBackend:
+    """`sdpa` (default), `flex`, `triton`, or `auto`: triton for a CUDA `device` where the triton package
+    is installed, SDPA otherwise (silently). `flash_attn` and `flashinfer` fall back to SDPA with a warning."""
+    if name == "auto":
+        from engine.triton_attention import available
+
+        cuda = device is not None and torch.device(device).type == "cuda"
+        return TritonBackend() if cuda and available() else SdpaBackend()
     if name == "sdpa":
+        return SdpaBackend()
+    if name == "triton":
+        from engine.triton_attention import available
+
+        if available():
+            return TritonBackend()
+        log.warning("the triton attention backend needs the triton package (it comes with CUDA builds of torch); "
+                    "using PyTorch SDPA")
         return SdpaBackend()
     if name == "flex":
         try:
@@ -67,4 +103,4 @@ def make_backend(name: str = "sdpa") -> AttentionBackend:
         # Not wired into this engine yet: asking for them is accepted, and says plainly what runs.
         log.warning("the %s attention backend is not available in this build; using PyTorch SDPA", name)
         return SdpaBackend()
-    raise ValueError(f"unknown attention backend {name!r}; choose one of: sdpa, flex, flash_attn, flashinfer")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(BACKENDS)}")

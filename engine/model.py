@@ -347,6 +347,15 @@ class Transformer(nn.Module):
         fuse_for_inference(self, compile, **kwargs)
         return self
 
+    def set_attention_backend(self, name: str) -> "Transformer":
+        """Attention for every later pass (`engine.attention.make_backend`: auto, sdpa, flex, triton, ...;
+        auto picks by this model's device). Set it before building a DecodeEngine on this model: captured
+        CUDA graphs keep the kernels they saw."""
+        from engine.attention import make_backend
+
+        self.backend = make_backend(name, self.embed_tokens.weight.device)
+        return self
+
     def unfuse_for_inference(self) -> "Transformer":
         """Back to the unfused path, every parameter in its own storage again."""
         from engine.fused import unfuse

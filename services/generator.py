@@ -83,6 +83,7 @@ class GeneratorCore:
                                 max_seq_len=self.args.max_seq_len)
             if self.args.fused_inference:  # before the engine: its CUDA graphs point at the fused weights
                 loaded.model.fuse_for_inference()
+            loaded.model.set_attention_backend(self.args.attention_backend)
             spec = SpecConfig(num_speculative_tokens=self.args.num_speculative_tokens,
                               block_size=min(self.args.block_size, self.args.num_speculative_tokens),
                               draft_confidence=self.args.draft_confidence)

@@ -1,0 +1,166 @@
+"""Attention for the engine's short steps as one Triton kernel (GPU; decode, draft and verify steps).
+
+A decode, draft or verify step attends few new tokens per row (1 to 16) over a KV cache of a few
+hundred to a few thousand slots, with the engine's boolean visibility mask. PyTorch SDPA serves that
+with an attention kernel plus mask handling kernels around it, and a slower path once a row has more
+than one query; inside a CUDA graph of a small model, where a layer is a few dozen microseconds, that
+is a large share of the step. This kernel does the whole call in one launch:
+
+* one program per (row, KV head, split of the cache): the query heads that share the KV head (GQA)
+  are the rows of one tile, so K and V are read once for the whole group, never repeated per head;
+* the visibility mask is read as it is (any mask: causal by position, deep-draft windows, padding);
+* online softmax in fp32 over blocks of the cache (flash-decoding), each split writing a partial
+  result and its log-sum-exp; a small second kernel merges the splits (one split: no merge kernel).
+
+Queries whose mask shows them no key get zeros (SDPA would give NaN; the engine never asks for such a
+row except on padding rows, whose output nobody reads). fp32 inputs are multiplied in IEEE fp32 (not
+TF32), so an fp32 engine stays exact to rounding; bf16/fp16 inputs use the tensor cores with fp32
+accumulation, as flash attention does.
+
+`triton_attention` returns None when a call is outside what the kernel serves (not CUDA, too many
+queries per row for one tile, an unsupported head size): the caller then uses SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_TILE_ROWS = 64  # query heads per KV head x new tokens per row served by one tile
+BLOCK_N = 64  # cache slots per inner-loop block
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(Q, K, V, M, O, LSE,
+               sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smt, sms,
+               sob, soh, sot, sod, so_split, slb, slh, slt, sl_split,
+               T, S, per_split, scale,
+               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               IEEE: tl.constexpr, SPLIT: tl.constexpr):
+        b = tl.program_id(0)
+        hk = tl.program_id(1)
+        sp = tl.program_id(2)
+        m = tl.arange(0, BLOCK_M)
+        d = tl.arange(0, D)
+        g = m // T  # query head within the group
+        t = m % T  # new token
+        live = m < G * T
+        h = hk * G + g
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :] * sqd, mask=live[:, None], other=0.0)
+        m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        start = sp * per_split
+        for n0 in range(0, per_split, BLOCK_N):  # per_split: a multiple of BLOCK_N
+            n = start + n0 + tl.arange(0, BLOCK_N)
+            inside = n < S
+            k = tl.load(K + b * skb + hk * skh + n[:, None] * sks + d[None, :] * skd, mask=inside[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            vis = tl.load(M + b * smb + t[:, None] * smt + n[None, :] * sms, mask=live[:, None] & inside[None, :], other=0)
+            vis = vis != 0
+            s = tl.where(vis, s, -1.0e30)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :] * svd, mask=inside[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_ptr = O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :] * sod
+        if SPLIT:  # partial results: O (splits, B, Hq, T, D) and LSE (splits, B, Hq, T), both fp32
+            lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -1.0e30)
+            tl.store(LSE + sp * sl_split + b * slb + h * slh + t * slt, lse, mask=live)
+            tl.store(o_ptr + sp * so_split, out, mask=live[:, None])
+        else:
+            tl.store(o_ptr, out.to(O.dtype.element_ty), mask=live[:, None])
+
+    @triton.jit
+    def merge(P, LSE, O, n_split, sp_o, sp_l, rows, D: tl.constexpr, BLOCK_R: tl.constexpr):
+        """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D)."""
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        d = tl.arange(0, D)
+        live = r < rows
+        m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+        for i in range(0, n_split):
+            m = tl.maximum(m, tl.load(LSE + i * sp_l + r, mask=live, other=-1.0e30))
+        total = tl.zeros((BLOCK_R,), tl.float32)
+        acc = tl.zeros((BLOCK_R, D), tl.float32)
+        for i in range(0, n_split):
+            lse = tl.load(LSE + i * sp_l + r, mask=live, other=-1.0e30)
+            w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
+            total += w
+            acc += w[:, None] * tl.load(P + i * sp_o + r[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(O + r[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=live[:, None])
+
+    return attend, merge
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _splits(batch_heads: int, slots: int) -> int:
+    """Cache splits per (row, KV head): about 96 programs in all, each split at least 160 slots long.
+    From the H200 (SmolLM2 shapes, bf16): bs 1 at 704 slots is fastest with 4-8 splits (7.8 us against
+    12 us unsplit), bs 8 at 768 with 4, bs 64 at 1,024 with 1-2 (bench/RESULTS.md)."""
+    return max(1, min(-(-96 // max(batch_heads, 1)), slots // 160))
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     splits: int | None = None) -> torch.Tensor | None:
+    """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = visible) -> (B, Hq, T, D),
+    or None when the kernel does not serve this call (use SDPA)."""
+    bsz, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    group = hq // hkv
+    interpret = q.device.type == "cpu"  # only under TRITON_INTERPRET=1 (tests)
+    if (not (q.is_cuda or interpret) or hq % hkv or group * t > MAX_TILE_ROWS or d not in (16, 32, 64, 128, 256)
+            or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype)
+            or mask.dtype != torch.bool or mask.shape[1] != 1):
+        return None
+    attend, merge = _kernels()
+    block_m = max(16, 1 << (group * t - 1).bit_length())
+    n_split = splits if splits is not None else _splits(bsz * hkv, s)
+    per_split = -(-s // n_split)
+    per_split = -(-per_split // BLOCK_N) * BLOCK_N  # whole blocks per split
+    n_split = -(-s // per_split)
+    m8 = mask.view(torch.uint8)
+    mb, _, mt, ms = m8.stride()
+    common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+    scale = d ** -0.5
+    if n_split == 1:
+        out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
+        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
+                              *out.stride(), 0, 0, 0, 0, 0, t, s, per_split, scale, SPLIT=False, **common)
+        return out
+    part = torch.empty(n_split, bsz, hq, t, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(n_split, bsz, hq, t, device=q.device, dtype=torch.float32)
+    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
+                                *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0),
+                                t, s, per_split, scale, SPLIT=True, **common)
+    out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
+    rows = bsz * hq * t
+    block_r = 16
+    merge[(-(-rows // block_r),)](part, lse, out, n_split, part.stride(0), lse.stride(0), rows, D=d, BLOCK_R=block_r,
+                                  num_warps=2)
+    return out

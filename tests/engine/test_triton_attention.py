@@ -1,0 +1,65 @@
+"""The Triton attention kernel under Triton's CPU interpreter (where triton is installed), and the
+backend choice. The GPU runs are in tests/gpu/test_triton_attention.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.attention import SdpaBackend, make_backend
+from engine.triton_attention import available
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="sdpa, flex, triton"):
+        make_backend("fast")
+
+
+def test_triton_backend_runs_sdpa_on_cpu_tensors():
+    backend = make_backend("triton")
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    mask = torch.ones(1, 1, 2, 10, dtype=torch.bool)
+    torch.testing.assert_close(backend(q, k, v, mask), SdpaBackend()(q, k, v, mask))
+    assert backend.name == ("triton" if available() else "sdpa")
+
+
+CHECK = """
+import torch, torch.nn.functional as F
+from engine.triton_attention import triton_attention
+torch.manual_seed(0)
+b, hq, hkv, t, s, d = 2, 6, 2, 5, 300, 16
+q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+pos = torch.tensor([[100], [250]]) + torch.arange(t)
+mask = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
+mask[1, :, 0, 200:] = False  # not only causal: any visibility mask
+ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+for splits in (1, 3):
+    torch.testing.assert_close(triton_attention(q, k, v, mask, splits=splits), ref, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not available(), reason="needs the triton package")
+def test_kernel_matches_sdpa_in_the_interpreter():
+    # The interpreter must be on before triton is imported: a fresh process.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_auto_is_sdpa_off_cuda_and_the_model_setter_uses_it():
+    assert make_backend("auto", "cpu").name == "sdpa"
+    from engine.config import ModelArgs
+    from engine.model import Transformer
+
+    args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                     num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    model = Transformer(args, max_seq_len=64)
+    assert model.set_attention_backend("auto").backend.name == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        model.set_attention_backend("fastest")

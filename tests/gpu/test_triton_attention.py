@@ -1,0 +1,79 @@
+"""The Triton attention kernel against PyTorch SDPA, and the engine on it (greedy FlashSpec == plain
+decoding, token for token, in fp32). Skipped without CUDA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafts.config import DraftConfig
+from drafts.model import DraftModel
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+from engine.speculative import SpecConfig
+from tests.gpu.test_cuda_graphs import tiny_target
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+triton_attention = pytest.importorskip("engine.triton_attention").triton_attention
+
+
+def inputs(b, hq, hkv, t, s, d, dtype, window=None):
+    g = torch.Generator(device="cuda").manual_seed(b * 1000 + t * 10 + s)
+    q = torch.randn(b, hq, t, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, hkv, s, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, hkv, s, d, device="cuda", dtype=dtype, generator=g)
+    pos = torch.randint(t, s - t, (b, 1), device="cuda", generator=g) + torch.arange(t, device="cuda")
+    keys = torch.arange(s, device="cuda")[None, None, None, :]
+    mask = keys <= pos[:, None, :, None]
+    if window is not None:  # a draft's ring-buffer window: only the last `window` positions
+        mask &= keys > pos[:, None, :, None] - window
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,hq,hkv,t,s,d", [(1, 9, 3, 1, 704, 64), (1, 9, 3, 6, 704, 64), (8, 9, 3, 6, 2048, 64),
+                                            (3, 4, 2, 16, 130, 32), (2, 8, 8, 1, 4096, 128)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_kernel_matches_sdpa(dtype, tol, b, hq, hkv, t, s, d, splits):
+    q, k, v, mask = inputs(b, hq, hkv, t, s, d, dtype)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=hq != hkv)
+    out = triton_attention(q, k, v, mask, splits=splits)
+    assert out is not None and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_views_of_the_cache_windows_and_empty_rows():
+    q, k, v, mask = inputs(2, 9, 3, 3, 600, 64, torch.float32, window=50)
+    big_k = torch.zeros(2, 3, 900, 64, device="cuda")
+    big_k[:, :, :600] = k  # a slice of a longer cache, as KVCache.read returns it
+    mask[1, :, 0] = False  # a query that sees nothing gets zeros, not NaN
+    out = triton_attention(q, big_k[:, :, :600], v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1, :, 1:], ref[1, :, 1:], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
+
+
+def test_calls_the_kernel_does_not_serve_are_declined():
+    q, k, v, mask = inputs(1, 9, 3, 32, 600, 64, torch.float32)  # 3 x 32 query rows: more than one tile
+    assert triton_attention(q, k, v, mask) is None
+    assert triton_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu()) is None
+
+
+@pytest.mark.parametrize("block", [2, 5])
+def test_engine_on_triton_attention_is_lossless(block):
+    target = tiny_target(torch.float32)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input="deep"))
+    draft.init_from_target()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    outs = {}
+    for backend in ("sdpa", "triton"):
+        target.set_attention_backend(backend)
+        for name, d in (("ar", None), ("spec", "d")):
+            eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, block))
+            eng.add_draft("d", draft)
+            outs[(backend, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+    target.set_attention_backend("sdpa")
+    assert outs[("triton", "spec")] == outs[("triton", "ar")]
+    assert outs[("triton", "ar")] == outs[("sdpa", "ar")]
