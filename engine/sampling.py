@@ -114,28 +114,49 @@ class RandomStream:
         self.drawn = 0
 
 
-def uniform(shape: tuple[int, ...], streams: list[RandomStream], device: torch.device) -> torch.Tensor:
-    """Uniform [0, 1) float32 draws (24 bits), row b from streams[b]; shape[0] == len(streams)."""
-    per_row = math.prod(shape[1:])
-    if not streams:
-        return torch.empty(shape, device=device)
+def stream_state(streams: list[RandomStream], device: torch.device) -> torch.Tensor:
+    """(B, 2) int64 [key, next counter] of these streams, on `device` (pinned, queued copy on CUDA)."""
     state = torch.tensor([[s.key, s.drawn] for s in streams], dtype=torch.long)
     if torch.device(device).type == "cuda":  # pinned: the copy is queued, not waited for
         state = state.pin_memory()
-    state = state.to(device, non_blocking=True)
+    return state.to(device, non_blocking=True)
+
+
+def advance(streams: list[RandomStream], n: int) -> None:
+    """Count n draws per row as taken (what a device-side `uniform_at` over them used)."""
     for s in streams:
-        s.drawn = (s.drawn + per_row) & _M32
-    counters = (state[:, 1:] + torch.arange(per_row, device=device)) & _M32  # (B, per_row)
+        s.drawn = (s.drawn + n) & _M32
+
+
+def uniform_at(state: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Uniform [0, 1) float32 draws (24 bits) from device state (B, 2) (`stream_state`), starting `offset`
+    draws past each row's counter: row b's draws are its stream's, whatever else runs in the batch. Pure
+    tensor code without host values, so it can sit inside a CUDA graph with `state` as its input."""
+    per_row = math.prod(shape[1:])
+    counters = (state[:, 1:] + offset + torch.arange(per_row, device=state.device)) & _M32  # (B, per_row)
     bits = _hash32(_hash32(counters) ^ state[:, :1])
     return ((bits >> 8).float() * 2.0**-24).view(shape)
 
 
-def sample(probs: torch.Tensor, streams: list[RandomStream]) -> torch.Tensor:
-    """One token per row from probs (B, V) (need not sum to 1) by inverse CDF: one uniform per row, no host sync."""
-    u = uniform((probs.shape[0],), streams, probs.device)
+def uniform(shape: tuple[int, ...], streams: list[RandomStream], device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) float32 draws (24 bits), row b from streams[b]; shape[0] == len(streams)."""
+    if not streams:
+        return torch.empty(shape, device=device)
+    state = stream_state(streams, device)
+    advance(streams, math.prod(shape[1:]))
+    return uniform_at(state, 0, shape)
+
+
+def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row from probs (B, V) (need not sum to 1) by inverse CDF at the uniforms u (B,)."""
     cdf = probs.double().cumsum(-1)  # float64: no token's share drifts by float32 rounding over the vocabulary
     total = cdf[:, -1:]
     # u < 1, but the product can round up to the total: keep the point below it, so the first entry of
     # the CDF above it is a token of positive probability, never the zero tail after the last one.
     point = torch.minimum(u.double()[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, point, right=True).squeeze(1)
+
+
+def sample(probs: torch.Tensor, streams: list[RandomStream]) -> torch.Tensor:
+    """One token per row from probs (B, V) (need not sum to 1) by inverse CDF: one uniform per row, no host sync."""
+    return sample_with(probs, uniform((probs.shape[0],), streams, probs.device))

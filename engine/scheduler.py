@@ -20,7 +20,7 @@ from engine.fused import compile_events
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
-from engine.sampling import RandomStream, needs_filters, processed_probs, sample
+from engine.sampling import RandomStream, advance, needs_filters, processed_probs, sample, sample_with, stream_state, uniform_at
 from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
 from engine.text import TextStream
 
@@ -49,7 +49,7 @@ class DecodeEngine:
         (1, 2, 4, ... max_batch_size) with its rows as a graph input; padding rows point at one extra
         scratch cache row, so one graph serves every set of rows of that bucket.
         mixed_round_graph: greedy rounds of a batch mixing drafts as one drafting graph too (one graph per
-        mix of drafts and their row counts; see `engine.speculative._captured_greedy_round`).
+        mix of drafts and their row counts; see `engine.speculative._captured_round`).
         min_admit: while rows run, admit waiting requests only once this many rows are free (or every
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others."""
@@ -403,8 +403,15 @@ class DecodeEngine:
         pos = torch.tensor([[s.length] for s in batch], device=device)  # (b, 1)
         tokens = torch.tensor([[s.pending] for s in batch], device=device)  # (b, 1)
         graph_steps = min(self.ar_steps_per_sync, self.margin)  # a fixed count: one graph per bucket, not per count
-        if self.graphs.enabled and all(s.request.params.greedy for s in batch):
-            new = self._ar_greedy_graph(tokens, pos, rows, graph_steps, int(max(s.length for s in batch)) + graph_steps)
+        if self.graphs.enabled:
+            kv_len = int(max(s.length for s in batch)) + graph_steps
+            if all(s.request.params.greedy for s in batch):
+                new = self._ar_greedy_graph(tokens, pos, rows, graph_steps, kv_len)
+            else:
+                new = self._ar_sampled_graph(batch, tokens, pos, rows, graph_steps, kv_len)
+                # Draw i of each row samples its i-th token: count only the kept ones, so the next call
+                # draws for the next token exactly what the one-step path would.
+                advance([s.random for s in batch], steps)
             return [row[:steps] for row in new], steps == graph_steps  # steps past `steps` wrote KV inside the margin
         new = []
         for i in range(steps):
@@ -434,6 +441,32 @@ class DecodeEngine:
             return (torch.cat(new, dim=1),)
 
         (new,) = self.run_graph(("ar-greedy", steps, kv_len), fn, rows, {"tokens": tokens, "input_pos": pos})
+        return new.tolist()
+
+    def _ar_sampled_graph(self, batch, tokens, pos, rows, steps: int, kv_len: int) -> list[list[int]]:
+        """`steps` sampled decoding steps as one CUDA graph: each row's temperature, top-k, top-p and random
+        stream state are graph inputs, step i draws the row's i-th number (as `_sample_device` would)."""
+        kv_len = self.kv_bucket(kv_len)
+        model, cache, layers = self.model, self.cache, range(self.model.args.num_layers)
+        params = [s.request.params for s in batch]
+        filtered = needs_filters(params)
+        device = self.device
+
+        def fn(tokens, input_pos, state, temperature, top_k, top_p, rows=rows):
+            new = []
+            for i in range(steps):
+                logits = model(tokens, input_pos, layers=layers, cache=cache, rows=rows, kv_len=kv_len).logits
+                probs = processed_probs(logits[:, -1], temperature, top_k, top_p, filtered)
+                tokens = sample_with(probs, uniform_at(state, i, (probs.shape[0],)))[:, None]
+                new.append(tokens)
+                input_pos = input_pos + 1
+            return (torch.cat(new, dim=1),)
+
+        inputs = {"tokens": tokens, "input_pos": pos, "state": stream_state([s.random for s in batch], device),
+                  "temperature": torch.tensor([p.temperature for p in params], device=device),
+                  "top_k": torch.tensor([p.top_k for p in params], device=device),
+                  "top_p": torch.tensor([p.top_p for p in params], device=device)}
+        (new,) = self.run_graph(("ar-sampled", steps, kv_len, filtered), fn, rows, inputs)
         return new.tolist()
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------

@@ -23,7 +23,7 @@ import torch
 
 from engine.cache import row_index
 from engine.model import StepContext
-from engine.sampling import needs_filters, processed_probs, sample
+from engine.sampling import advance, needs_filters, processed_probs, sample, sample_with, stream_state, uniform_at
 from engine.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -130,8 +130,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     gamma = cfg.num_speculative_tokens
     kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
     single = all(d is drafts[0] for d in drafts)
-    if eng.graphs.enabled and greedy and len(cfg.blocks()) == 1 and (single or eng.mixed_round_graph):
-        return _captured_greedy_round(eng, slots, drafts, gamma, kv_len)
+    if eng.graphs.enabled and len(cfg.blocks()) == 1 and (single or eng.mixed_round_graph):
+        return _captured_round(eng, slots, drafts, gamma, kv_len, greedy)
 
     model = eng.model
     device = eng.device
@@ -280,12 +280,17 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     return RoundResult(tokens, acc, dr, ps)
 
 
-def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int) -> RoundResult:
-    """The GPU fast path for greedy rows with one verify per round (block_size >= gamma).
+def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int,
+                    greedy: bool) -> RoundResult:
+    """The GPU fast path for rounds with one verify per round (block_size >= gamma).
 
-    The whole round (gamma + 1 trunk steps, every draft's adapters and head, argmax, the verify pass,
-    the accepted prefix, the deep features for the next round) is one CUDA graph: the host sees only
-    the round's result, in one transfer. Rows are ordered by draft, so each draft runs on one
+    The whole round (gamma + 1 trunk steps, every draft's adapters and head, the drafted tokens, the
+    verify pass, the accepted prefix, the deep features for the next round) is one CUDA graph: the host
+    sees only the round's result, in one transfer. Greedy rows take argmaxes and the longest matching
+    prefix. Otherwise rows sample: their temperature, top-k, top-p and random-stream state are graph
+    inputs, the draft samples and the rejection sampler draw from the streams on the device (the same
+    draws, in the same order, as the general loop: same tokens), and the host advances each stream by
+    the round's 2 * gamma + 1 draws afterwards. `draft_confidence` does not apply here. Rows are ordered by draft, so each draft runs on one
     contiguous part of the batch; scattered cache rows run padded to a batch-size bucket with the rows
     as a graph input (`DecodeEngine.run_graph`). Same tokens as the general loop.
 
@@ -317,13 +322,25 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
     rows = row_index([s.slot for s in slots], device)
     pos0 = torch.tensor([s.length for s in slots], device=device)
     pending = torch.tensor([s.pending for s in slots], device=device)
+    inputs = {"pending": pending, "pos0": pos0}
+    filtered = False
+    if not greedy:
+        params = [s.request.params for s in slots]
+        filtered = needs_filters(params)
+        inputs.update(
+            state=stream_state([s.random for s in slots], device),
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            draft_temperature=torch.tensor([p.draft_temperature if p.draft_temperature is not None else p.temperature
+                                            for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device))
     last, g0, _ = groups[-1]
     groups[-1] = (last, g0, eng.batch_bucket(b))  # rows padded to the bucket (if any) join the last group
 
-    def round_all(pending, pos0, rows=rows):
+    def round_all(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
         # Cache rows: the constant slice 0..b-1 or the (padded) rows input; as a tensor for the deep buffers.
         rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=pos0.device)
-        tokens, trunks, drafted = pending, [], []
+        tokens, trunks, drafted, draft_probs = pending, [], [], []
         proxies: list = [None] * len(groups)
         ar = torch.arange(pending.shape[0], device=pending.device)
         for j in range(gamma + 1):
@@ -348,12 +365,18 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
                     out = draft.adapters_forward(trunk[a:z], proxies[g][:, None] if deep else None, ctx)[:, 0]
                 if j == gamma:
                     continue  # last token: adapter KV written, no prediction needed
-                next_tokens.append(draft.head_logits(out).argmax(-1))
+                next_tokens.append(draft.head_logits(out))
                 if deep:
                     proxies[g] = draft.proxy_feature(out)
             if j == gamma:
                 break
-            tokens = torch.cat(next_tokens)
+            logits = torch.cat(next_tokens)  # (bucket, V)
+            if greedy:
+                tokens = logits.argmax(-1)
+            else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
+                probs = processed_probs(logits, draft_temperature, top_k, top_p, filtered)
+                tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))
+                draft_probs.append(probs)
             drafted.append(tokens)
         drafted, trunks = torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
         # Verification in the same graph: the deep layers on the round's trunk states, the longest
@@ -361,7 +384,11 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
         q_pos = pos0[:, None] + torch.arange(gamma + 1, device=pos0.device)[None]  # (bucket, gamma + 1)
         out = model(None, q_pos, layers=range(n_trunk, model.args.num_layers), hidden=trunks, cache=eng.cache,
                     rows=rows, kv_len=kv_len, capture=capture)
-        res = verify_greedy(drafted, out.logits)
+        if greedy:
+            res = verify_greedy(drafted, out.logits)
+        else:
+            target_probs = processed_probs(out.logits, temperature, top_k, top_p, filtered)
+            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, state=state, offset=gamma)
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each draft's rows get its own features (the groups cover every row, padding included)
@@ -370,9 +397,11 @@ def _captured_greedy_round(eng: "DecodeEngine", slots: list, drafts: list[Draft]
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    key = ("greedy-round", tuple((a, z) for _, a, z in groups), kv_len, gamma, capture)
-    (packed,) = eng.run_graph(key, round_all, rows, {"pending": pending, "pos0": pos0},
-                              owners=tuple(id(d) for d, _, _ in groups))
+    key = ("greedy-round" if greedy else ("sampled-round", filtered), tuple((a, z) for _, a, z in groups), kv_len,
+           gamma, capture)
+    (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(id(d) for d, _, _ in groups))
+    if not greedy:
+        advance([s.random for s in slots], 2 * gamma + 1)
     packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
     out: list = [None] * b
     for k, i in enumerate(perm):  # back to the caller's row order

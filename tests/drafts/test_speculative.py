@@ -520,6 +520,41 @@ def test_graph_path_with_scattered_rows_equals_plain_decoding(target, mixed):
         assert got[r.request_id] == expected, f"request {i} (draft {names[i % 5]})"
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["unfiltered", "top-p"])
+def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_p, monkeypatch):
+    """Block == gamma: sampled rows (and a greedy one among them) run the whole round as one graph, with
+    the random streams' state as a graph input. The draws come in the general loop's order, so the seeded
+    tokens are the same, and the graph path really ran."""
+    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=t, top_p=top_p, seed=i)
+              for i, t in enumerate((0.8, 1.0, 0.0, 1.3))]
+    draft = noisy(oracle(target), 0.5)  # one draft: every batch takes the one-graph round
+    plain = spec_generate(target, draft, SpecConfig(5, 5), params=params)
+    captured = []
+    real = speculative._captured_round
+
+    def spy(eng, slots, drafts, gamma, kv_len, greedy):
+        captured.append(greedy)
+        return real(eng, slots, drafts, gamma, kv_len, greedy)
+
+    monkeypatch.setattr(speculative, "_captured_round", spy)
+    emulated = spec_generate(target, draft, SpecConfig(5, 5), params=params, max_batch_size=8, cuda_graphs="emulate")
+    assert [r.token_ids for r in emulated] == [r.token_ids for r in plain]
+    assert False in captured  # sampled rounds went through the graph path
+    assert 0 < sum(r.stats.accepted for r in emulated) < sum(r.stats.drafted for r in emulated)  # both outcomes
+
+
+def test_sampled_plain_decoding_in_multi_step_graphs_matches_one_step_decoding(target):
+    """Plain sampled rows decode 4 steps per graph with the streams' state as an input; rows cut short
+    (another row of the batch reaches its limit mid-graph) draw the same numbers again next call, so the
+    seeded tokens equal one-step decoding's."""
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=1.0, top_k=k, seed=7 + n)
+              for n, k in ((5, 0), (9, 20), (14, 0), (22, 0))]
+    plain = spec_generate(target, None, SpecConfig(5, 5), params=params)
+    graphs = spec_generate(target, None, SpecConfig(5, 5), params=params, cuda_graphs="emulate", ar_steps_per_sync=4)
+    assert [r.token_ids for r in graphs] == [r.token_ids for r in plain]
+    assert [len(r.token_ids) for r in graphs] == [5, 9, 14, 22]
+
+
 def test_graph_path_sampled_rows_match_the_plain_path(target):
     """Sampled rows take the per-step graphs (padded when scattered): same seeded tokens as without graphs."""
     params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=0.8, top_p=0.9, seed=i)

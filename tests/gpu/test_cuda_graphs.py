@@ -44,6 +44,31 @@ def test_graphs_match_eager(feature, block):
     assert outs[(True, "spec")] == outs[(False, "spec")] == outs[(False, "ar")]
 
 
+@pytest.mark.parametrize("feature", ["none", "deep"])
+def test_sampled_graphs_match_eager(feature):
+    """T=1 rows: the one-graph sampled round (block == gamma) and the multi-step sampled plain decoding
+    draw the same numbers as the eager loop: same seeded tokens, with real CUDA graphs, in fp32."""
+    target = tiny_target(torch.float32)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input=feature))
+    draft.init_from_target()
+    with torch.no_grad():
+        for p in draft.adapters.parameters():
+            p.add_(0.2 * torch.randn_like(p))  # some rejections
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=1.0, top_p=p, seed=i)
+              for i, (n, p) in enumerate(((40, 1.0), (23, 0.9), (31, 1.0), (40, 0.8)))]
+    outs = {}
+    for graphs in (False, True):
+        for name, d in (("ar", None), ("spec", "d")):
+            eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
+            eng.add_draft("d", draft)
+            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+            if graphs:
+                assert any(k[0] in ("ar-sampled", ("sampled-round", True), ("sampled-round", False)) for k in eng.graphs.graphs)
+    assert outs[(True, "ar")] == outs[(False, "ar")]
+    assert outs[(True, "spec")] == outs[(False, "spec")]
+
+
 def _drafts(target):
     out = []
     for i, (feature, adapters) in enumerate((("none", 3), ("deep", 3), ("none", 1))):
