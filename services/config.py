@@ -45,9 +45,10 @@ class AppArgs(BaseModel):
                            "on CUDA also compiled RMSNorm/RoPE/SiLU): 1.4-2x faster plain decoding on the H200. "
                            "Compiles at replica start. On the CPU it replaces the packed projections: leave it off there.")
     attention_backend: Literal["auto", "sdpa", "flex", "triton"] = Field(
-        "auto", description="Attention kernels: 'triton' runs one Triton kernel per decode/draft/verify step on CUDA "
-                            "(SDPA for prefill and on the CPU); 'sdpa' PyTorch SDPA everywhere; 'flex' FlexAttention; "
-                            "'auto' is triton on a CUDA device with the triton package, SDPA otherwise. docs/decoding.md.")
+        "sdpa", description="Attention kernels: 'sdpa' PyTorch SDPA everywhere; 'triton' one Triton kernel per "
+                            "decode/draft/verify step on CUDA (SDPA for prefill and on the CPU); 'flex' FlexAttention; "
+                            "'auto' is triton on a CUDA device with the triton package, SDPA otherwise. Triton is faster "
+                            "on long contexts and slower on short ones on the H200 (bench/RESULTS.md): opt in.")
     governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
     graph_warmup_tokens: int = Field(
         256, ge=0, description="With CUDA graphs: at replica start, capture the decode/draft/verify graphs of every "

@@ -47,3 +47,17 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
     assert len(lines) == 3
     assert "failed: RuntimeError: CUDA error" in lines[1] and "more lines" not in lines[1]
     assert "| 150.0 | 1.50x |" in lines[2]
+
+
+def test_round_profile_without_a_gpu_says_so_and_where_to_run_it():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the profile would run")
+    done = subprocess.run([sys.executable, "-m", "bench.round_profile"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr

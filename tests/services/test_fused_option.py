@@ -37,3 +37,19 @@ def test_fused_generator_gives_the_unfused_tokens(app_args):
             core.loop.stop()
     assert outputs[True] == outputs[False]
     assert outputs[True][1][1]["rounds"] > 0  # the code draft speculated
+
+
+def test_attention_backend_reaches_the_target_and_bad_names_are_refused(app_args):
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="attention_backend"):
+        AppArgs.model_validate({**app_args, "attention_backend": "fastest"})
+    args = AppArgs.model_validate({**app_args, "attention_backend": "triton", "max_batch_size": 2})
+    core = GeneratorCore(args, registry=None)
+    try:
+        # On the CPU the triton backend hands every call to SDPA (or is SDPA, without the triton package).
+        assert core.target.backend.name in ("triton", "sdpa")
+        assert _complete(core, None, "plain")[0]
+    finally:
+        core.loop.stop()

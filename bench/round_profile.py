@@ -1,0 +1,192 @@
+"""Where a bs-1 greedy FlashSpec round's GPU time goes, piece by piece, and one attention call per backend.
+
+    python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused]
+    python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
+
+Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
+piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
+whole round's pieces in sequence) captured as one CUDA graph and replayed 200 times; ms per replay and
+the CUDA kernels one eager run launches. Plus the drafting chain and the verify pass on two CUDA streams
+(independent here, so an upper bound on what overlapping them could give). Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def graph(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles the fused kernels and the Triton kernel for these shapes
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def ms(run, n: int = 200) -> float:
+    run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def kernels(fn) -> int:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+@torch.no_grad()
+def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) -> None:
+    from bench.gpu import load_drafts
+    from engine.fused import fuse_for_inference
+    from engine.loading import load_model
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+    from engine.verify import verify_greedy
+
+    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    model = loaded.model
+    draft = load_drafts("drafts/demo", model)[domain]
+    if fused:
+        model.fuse_for_inference(compile=True)
+        fuse_for_inference(draft, compile=True)
+    model.set_attention_backend(attention)
+    eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=1, max_seq_len=1000, spec=SpecConfig(5, 5))
+    eng.add_draft(domain, draft)
+    kv = eng.kv_bucket(position + 100)
+    draft_kv = eng.draft_kv_len(kv)
+    layers, trunk_layers, hidden = model.args.num_layers, draft.shared_layers, model.args.hidden_size
+    rows, dev, dtype = slice(0, 1), "cuda", eng.dtype
+    capture = tuple(draft.feature_layers)
+    token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    at = lambda j=0: torch.full((1,), position + j, device=dev)  # noqa: E731
+    print(json.dumps({"domain": domain, "attention": model.backend.name, "fused": model.fused, "kv_slots": kv,
+                      "trunk_layers": trunk_layers, "feature_layers": capture}), flush=True)
+
+    def full(t):
+        def fn():
+            pos = position + torch.arange(t, device=dev)[None]
+            return model(token.expand(1, t), pos, cache=eng.cache, rows=rows, kv_len=kv).logits.argmax(-1)
+        return fn
+
+    def trunk(tok, p):
+        return model(tok[:, None], p[:, None], layers=range(0, trunk_layers), cache=eng.cache, rows=rows, kv_len=kv).hidden
+
+    def draft_step(tr, proxy, p):
+        ctx = model.context(p[:, None], eng.draft_cache, rows, draft_kv)
+        out = draft.adapters_forward(tr, proxy[:, None], ctx)[:, 0]
+        return draft.head_logits(out).argmax(-1), draft.proxy_feature(out)
+
+    def chain():
+        tok, proxy, trunks = token[:, 0], torch.zeros(1, hidden, device=dev, dtype=dtype), []
+        for j in range(6):
+            tr = trunk(tok, at(j))
+            trunks.append(tr)
+            if j < 5:
+                tok, proxy = draft_step(tr, proxy, at(j))
+        return torch.cat(trunks, 1)
+
+    zeros6 = torch.zeros(1, 6, hidden, device=dev, dtype=dtype)
+    drafted = torch.zeros(1, 5, dtype=torch.long, device=dev)
+
+    def verify(t, cap=()):
+        def fn(hid=None):
+            pos = position + torch.arange(t, device=dev)[None]
+            out = model(None, pos, layers=range(trunk_layers, layers), hidden=zeros6[:, :t] if hid is None else hid,
+                        cache=eng.cache, rows=rows, kv_len=kv, capture=cap)
+            return verify_greedy(drafted, out.logits).num_accepted if t == 6 else out.logits.argmax(-1)
+        return fn
+
+    side = torch.cuda.Stream()
+
+    def two_streams():
+        main = torch.cuda.current_stream()
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            verify(6, capture)()
+        chain()
+        main.wait_stream(side)
+
+    pieces = {
+        "plain decoding step (full model, 1 token, argmax)": full(1),
+        "full model, 2 tokens": full(2),
+        "full model, 6 tokens": full(6),
+        f"trunk (layers 0-{trunk_layers}), 1 token": lambda: trunk(token[:, 0], at()),
+        "draft step (adapters + head + argmax + proxy), 1 token":
+            lambda: draft_step(torch.zeros(1, 1, hidden, device=dev, dtype=dtype), torch.zeros(1, hidden, device=dev, dtype=dtype), at()),
+        "drafting chain (6 trunk + 5 draft steps)": chain,
+        **{f"verify (layers {trunk_layers}-{layers}), {t} token{'s' * (t > 1)}": verify(t) for t in (1, 2, 3)},
+        f"verify (layers {trunk_layers}-{layers}), 6 tokens, + captures and acceptance": verify(6, capture),
+        "the round's pieces in sequence (chain, then verify)": lambda: verify(6, capture)(chain()),
+        "chain and verify on two streams in one graph (timing only: independent)": two_streams,
+    }
+    for name, fn in pieces.items():
+        try:
+            row = {"piece": name, "graph_ms": round(ms(graph(fn).replay), 4), "kernels": kernels(fn)}
+        except Exception as exc:  # noqa: BLE001 - one failing piece should not hide the others
+            row = {"piece": name, "error": repr(exc)[:300]}
+        print(json.dumps(row), flush=True)
+
+
+@torch.no_grad()
+def attention_calls() -> None:
+    import torch.nn.functional as F
+
+    from engine.triton_attention import triton_attention
+
+    def per_call_us(fn, reps: int = 20) -> float:
+        g = graph(lambda: [fn() for _ in range(reps)])
+        return ms(g.replay, 50) / reps * 1e3
+
+    shapes = ((1, 1, 704), (1, 6, 704), (1, 1, 2048), (1, 6, 2048), (8, 1, 768), (8, 6, 768), (8, 6, 2048), (64, 1, 1024))
+    for b, t, s in shapes:
+        q = torch.randn(b, 9, t, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, 3, s, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        pos = torch.full((b, 1), s - t - 5, device="cuda") + torch.arange(t, device="cuda")
+        mask = torch.arange(s, device="cuda")[None, None, None, :] <= pos[:, None, :, None]
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+        row = {"batch": b, "new_tokens": t, "slots": s,
+               "sdpa_us": round(per_call_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)), 2)}
+        for splits in (None, 1, 2, 4, 8, 16):
+            label = splits or "auto"
+            row[f"triton_{label}_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, splits=splits)), 2)
+            row[f"triton_{label}_max_error"] = round((triton_attention(q, k, v, mask, splits=splits).float() - ref).abs().max().item(), 4)
+        print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--domain", default="code", help="which shipped draft (drafts/demo/<domain>)")
+    parser.add_argument("--attention", default="sdpa", help="attention backend of the round pieces")
+    parser.add_argument("--unfused", action="store_true", help="leave the target and draft unfused")
+    parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
+    if args.attention_calls:
+        attention_calls()
+    else:
+        round_pieces(args.domain, args.attention, not args.unfused)
+
+
+if __name__ == "__main__":
+    main()
