@@ -290,9 +290,11 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     prefix. Otherwise rows sample: their temperature, top-k, top-p and random-stream state are graph
     inputs, the draft samples and the rejection sampler draw from the streams on the device (the same
     draws, in the same order, as the general loop: same tokens), and the host advances each stream by
-    the round's 2 * gamma + 1 draws afterwards. `draft_confidence` does not apply here. Rows are ordered by draft, so each draft runs on one
-    contiguous part of the batch; scattered cache rows run padded to a batch-size bucket with the rows
-    as a graph input (`DecodeEngine.run_graph`). Same tokens as the general loop.
+    the round's 2 * gamma + 1 draws afterwards. `draft_confidence` does not apply here.
+
+    Rows are ordered by draft, so each draft runs on one contiguous part of the batch; scattered cache
+    rows run padded to a batch-size bucket with the rows as a graph input (`DecodeEngine.run_graph`).
+    Same tokens as the general loop.
 
     A batch of one draft always comes here. A batch mixing drafts comes here only with
     `DecodeEngine(mixed_round_graph=True)`: its graph depends on how many rows each draft has, so a

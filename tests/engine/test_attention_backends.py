@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.attention import SdpaBackend, make_backend
 from engine.triton_attention import available
@@ -17,6 +16,14 @@ from engine.triton_attention import available
 def test_unknown_backend_names_the_choices():
     with pytest.raises(ValueError, match="sdpa, flex, triton"):
         make_backend("fast")
+
+
+def test_the_kernel_declines_cpu_tensors_outside_the_interpreter(monkeypatch):
+    from engine.triton_attention import triton_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16), torch.randn(1, 2, 10, 16)
+    assert triton_attention(q, k, v, torch.ones(1, 1, 2, 10, dtype=torch.bool)) is None
 
 
 def test_triton_backend_runs_sdpa_on_cpu_tensors():

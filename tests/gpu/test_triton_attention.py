@@ -57,7 +57,9 @@ def test_views_of_the_cache_windows_and_empty_rows():
 def test_calls_the_kernel_does_not_serve_are_declined():
     q, k, v, mask = inputs(1, 9, 3, 32, 600, 64, torch.float32)  # 3 x 32 query rows: more than one tile
     assert triton_attention(q, k, v, mask) is None
-    assert triton_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu()) is None
+    q, k, v, mask = inputs(1, 9, 3, 2, 600, 64, torch.float32)
+    assert triton_attention(q, k, v, mask) is not None
+    assert triton_attention(q.cpu(), k.cpu(), v.cpu(), mask.cpu()) is None  # CPU tensors: SDPA's
 
 
 @pytest.mark.parametrize("block", [2, 5])
