@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -63,14 +64,17 @@ def measure(engine, prompts, params, draft_name):
 def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code", n_prompts: int = 4,
         max_new_tokens: int = 256, gamma: int | tuple[int, ...] = 5, threads: int = 0, split: str = "test",
         blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1,
-        temperature: float = 0.0) -> list[dict]:
+        temperature: float = 0.0, draft_temperatures: tuple[float | None, ...] = (None,)) -> list[dict]:
     """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
 
     The passes interleave: AR, every FlashSpec row, AR, every FlashSpec row, ..., AR. Each FlashSpec
     pass is compared with the mean of the AR passes just before and after it, so a machine whose speed
     drifts (shared cores) moves both sides of a ratio alike; with `repeats` > 1 the reported speedup is
     the median of the per-pass ratios, with their range. temperature > 0 samples (every path from the
-    same distribution, so outputs are not compared with AR's)."""
+    same distribution, so outputs are not compared with AR's); `draft_temperatures` (sampled runs): the
+    temperature the draft samples its tokens at, each value a row (None = the request's temperature).
+    Verification uses the distribution the draft sampled from, so every value is lossless; what changes
+    is how often the target accepts."""
     import statistics
 
     from bench.prompts import held_out_prompts
@@ -81,6 +85,8 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
 
     if repeats < 1:
         raise SystemExit(f"error: --repeats must be at least 1, got {repeats}")
+    if temperature == 0 and any(t is not None for t in draft_temperatures):
+        raise SystemExit("error: --draft-temperature applies to sampled runs; add --temperature T (T > 0)")
     if threads:
         torch.set_num_threads(threads)
     loaded = load_model("default", device=device)
@@ -96,27 +102,29 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         draft = load_bench_draft(spec, loaded.model)
         for g in gammas:
             # a block longer than gamma is one verify per round: block = gamma
-            for block, conf in dict.fromkeys((min(b, g), c) for b in (blocks or (2, g)) for c in confidences):
+            for block, conf, dtemp in dict.fromkeys((min(b, g), c, t) for b in (blocks or (2, g)) for c in confidences
+                                                    for t in draft_temperatures):
                 engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
                                       spec=SpecConfig(g, block, draft_confidence=conf))
                 engine.add_draft("d", draft)
                 name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
                         f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
                         f"K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
-                        + (f" confidence {conf:g}" if conf else ""))
-                configs.append((name, engine))
+                        + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else ""))
+                row_params = params if dtemp is None else dataclasses.replace(params, draft_temperature=dtemp)
+                configs.append((name, engine, row_params))
     ar_passes = [measure(ar_engine, prompts, params, None)]
     spec_passes: list[list[dict]] = [[] for _ in configs]
     for _ in range(repeats):
-        for i, (_, engine) in enumerate(configs):
-            spec_passes[i].append(measure(engine, prompts, params, "d"))
+        for i, (_, engine, row_params) in enumerate(configs):
+            spec_passes[i].append(measure(engine, prompts, row_params, "d"))
         # Plain decoding again after every pass over the rows: the ratios use the AR passes around them.
         ar_passes.append(measure(ar_engine, prompts, params, None))
     ar_tps = [p["tps"] for p in ar_passes]
     ref = ar_passes[0]["outs"]
     rows = [{"name": "engine AR", "tps": statistics.mean(ar_tps), "speedup": 1.0, "range": None, "mal": None,
              "acc": None, "same": len(prompts)}]
-    for (name, _), passes in zip(configs, spec_passes):
+    for (name, _, _), passes in zip(configs, spec_passes):
         ratios = [p["tps"] / ((ar_tps[k] + ar_tps[k + 1]) / 2) for k, p in enumerate(passes)]
         last = passes[-1]
         rows.append({"name": name, "tps": statistics.mean(p["tps"] for p in passes), "speedup": statistics.median(ratios),

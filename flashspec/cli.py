@@ -152,13 +152,16 @@ def bench_spec(
     draft_confidence: Annotated[list[float], typer.Option(help="draft_confidence value(s) to run (0 = off).")] = [0.0],
     repeats: Annotated[int, typer.Option(help="Interleaved passes (AR, every row, AR, ...); speedup = median over them.")] = 1,
     temperature: Annotated[float, typer.Option(help="Sampling temperature of every path (0 = greedy).")] = 0.0,
+    draft_temperature: Annotated[Optional[list[float]], typer.Option(
+        help="With --temperature: the draft's sampling temperature(s), each a row (default: the same as --temperature).")] = None,
 ) -> None:
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
 
     run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=tuple(gamma),
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
-        repeats=repeats, temperature=temperature)
+        repeats=repeats, temperature=temperature,
+        draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,))
 
 
 @app.command()

@@ -64,3 +64,22 @@ def test_a_temperature_samples_every_path_and_does_not_compare_outputs(monkeypat
     assert seen[1:] == [1.0, 1.0, 1.0]  # every measured pass (the warm-up aside) samples at T=1
     out = capsys.readouterr().out
     assert "T=1, batch 1" in out and "- (sampled)" in out and "1/1" not in out
+
+
+def test_draft_temperatures_are_rows_of_a_sampled_run_and_refused_for_greedy(monkeypatch, tiny_target):
+    seen = []
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [12.0, 13.0])
+    real = spec_bench.measure
+
+    def measure(engine, prompts, params, draft_name):
+        seen.append((draft_name, params.temperature, params.draft_temperature))
+        return real(engine, prompts, params, draft_name)
+
+    monkeypatch.setattr(spec_bench, "measure", measure)
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep"], n_prompts=1, max_new_tokens=4, blocks=(5,),
+                          temperature=1.0, draft_temperatures=(None, 0.8))
+    assert [r["name"].split(") ")[1] for r in rows[1:]] == ["gamma 5 block 5", "gamma 5 block 5 draft T=0.8"]
+    assert ("d", 1.0, None) in seen and ("d", 1.0, 0.8) in seen
+    assert all(dt is None for name, _, dt in seen if name is None)  # plain decoding has no draft
+    with pytest.raises(SystemExit, match="--temperature"):
+        spec_bench.run(draft_temperatures=(0.8,))
