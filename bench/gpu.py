@@ -46,6 +46,33 @@ def cuda_ms(fn, iters: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1000
 
 
+def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """fn captured as a CUDA graph, after `warmup` eager runs on a side stream (they compile the fused
+    and Triton kernels for these shapes)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def count_kernels(fn) -> int:
+    """CUDA kernels (and copies) one eager run of fn launches."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
 def step_profile(model, kv_len: int = 512) -> dict:
     """One decode step of the whole model (batch 1, one token at position kv_len - 1, logits included):
     ms per CUDA-graph replay, and the CUDA kernels (and copies) one eager step runs."""
@@ -56,25 +83,10 @@ def step_profile(model, kv_len: int = 512) -> dict:
     def fn():
         return model(tokens, pos, cache=cache, kv_len=kv_len).logits
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # warm-up: compiles the fused kernels for this shape, if any
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     out = {"ms": cuda_ms(g.replay, 200), "kernels": None}
     try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        out["kernels"] = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+        out["kernels"] = count_kernels(fn)
     except Exception as exc:  # noqa: BLE001 - the count is informative only
         print(f"kernel count unavailable: {exc}", flush=True)
     del g, cache
@@ -320,15 +332,7 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
             return model(None if hidden_in else tokens, pos, layers=layers, hidden=hidden if hidden_in else None,
                          cache=cache, kv_len=pos_len + 64).hidden
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return cuda_ms(g.replay, 30)
+        return cuda_ms(capture_graph(fn, warmup=1).replay, 30)
 
     L, N, A = 32, 8, 2
     results["full step, 1 token"] = graph_ms(range(0, L), 1, False)
@@ -380,6 +384,12 @@ def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suff
                   lambda: bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
 
 
+def fused_settings(args, settings: list) -> list:
+    """The settings the fused rows run in (--fused-batch-sizes, --fused-greedy-only)."""
+    sizes = {int(b) for b in args.fused_batch_sizes.split(",")} if args.fused_batch_sizes else None
+    return [s for s in settings if (sizes is None or s[0] in sizes) and (s[3] or not args.fused_greedy_only)]
+
+
 def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) -> list[str]:
     """Fuse the target (and the drafts' adapters) in place, then the fused rows; returns the comparison table."""
     from engine.fused import fuse_for_inference
@@ -395,8 +405,7 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     mode = target.fused  # "hand" when compiling failed and the kernels fell back to eager
     print(json.dumps({"fused": mode, "step_unfused": before, "step_fused": after}), flush=True)
     kind_name = "best drafts" if best else "seed-default shape"
-    fused_sizes = {int(b) for b in args.fused_batch_sizes.split(",")} if args.fused_batch_sizes else None
-    settings = [s for s in settings if (fused_sizes is None or s[0] in fused_sizes) and (s[3] or not args.fused_greedy_only)]
+    settings = fused_settings(args, settings)
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
         prompts, domains = pick_prompts(bench.prompts, kind, bs)
@@ -443,8 +452,8 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
     and the best drafts at block 5, with and without the governor; returns the comparison table."""
     target = bench.loaded.model
     base_suffix = " (fused)" if args.fused else ""
-    fused_sizes = {int(b) for b in args.fused_batch_sizes.split(",")} if args.fused and args.fused_batch_sizes else None
-    settings = [s for s in settings if fused_sizes is None or s[0] in fused_sizes]
+    if args.fused:  # the rows compared with are the fused ones: the same settings
+        settings = fused_settings(args, settings)
     steps = {target.backend.name: step_profile(target)}
     names = []
     for name in args.attention_compare.split(","):

@@ -14,43 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
-
-def graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compiles the fused kernels and the Triton kernel for these shapes
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def ms(run, n: int = 200) -> float:
-    run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e3
-
-
-def kernels(fn) -> int:
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+from bench.gpu import capture_graph, count_kernels, cuda_ms
 
 
 @torch.no_grad()
@@ -140,7 +107,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     }
     for name, fn in pieces.items():
         try:
-            row = {"piece": name, "graph_ms": round(ms(graph(fn).replay), 4), "kernels": kernels(fn)}
+            row = {"piece": name, "graph_ms": round(cuda_ms(capture_graph(fn).replay, 200), 4), "kernels": count_kernels(fn)}
         except Exception as exc:  # noqa: BLE001 - one failing piece should not hide the others
             row = {"piece": name, "error": repr(exc)[:300]}
         print(json.dumps(row), flush=True)
@@ -153,8 +120,8 @@ def attention_calls() -> None:
     from engine.triton_attention import triton_attention
 
     def per_call_us(fn, reps: int = 20) -> float:
-        g = graph(lambda: [fn() for _ in range(reps)])
-        return ms(g.replay, 50) / reps * 1e3
+        g = capture_graph(lambda: [fn() for _ in range(reps)])
+        return cuda_ms(g.replay, 50) / reps * 1e3
 
     shapes = ((1, 1, 704), (1, 6, 704), (1, 1, 2048), (1, 6, 2048), (8, 1, 768), (8, 6, 768), (8, 6, 2048), (64, 1, 1024))
     for b, t, s in shapes:

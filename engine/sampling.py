@@ -74,6 +74,17 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     return torch.where(greedy, one_hot, probs)
 
 
+def param_tensors(params, device: torch.device) -> dict[str, torch.Tensor]:
+    """Per-row sampling parameters as (B,) device tensors: temperature, draft_temperature (the request's
+    temperature where unset), top_p (float32, one host-to-device copy) and top_k (long, one more)."""
+    floats = torch.tensor([[p.temperature for p in params],
+                           [p.draft_temperature if p.draft_temperature is not None else p.temperature for p in params],
+                           [p.top_p for p in params]], dtype=torch.float32).to(device)
+    temperature, draft_temperature, top_p = floats.unbind(0)  # contiguous rows of one transfer
+    return {"temperature": temperature, "draft_temperature": draft_temperature, "top_p": top_p,
+            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.long).to(device)}
+
+
 def needs_filters(params) -> bool:
     """Whether any of these SamplingParams uses top-k or top-p (processed_probs' `filtered`)."""
     return any(p.top_k > 0 or p.top_p < 1 for p in params)

@@ -20,7 +20,8 @@ from engine.fused import compile_events
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
-from engine.sampling import RandomStream, advance, needs_filters, processed_probs, sample, sample_with, stream_state, uniform_at
+from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
+                             stream_state, uniform_at)
 from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
 from engine.text import TextStream
 
@@ -382,14 +383,9 @@ class DecodeEngine:
         """(b,) tokens, left on the device."""
         if all(s.request.params.greedy for s in batch):
             return logits.argmax(-1)
-        device = self.device
-        probs = processed_probs(
-            logits,
-            torch.tensor([s.request.params.temperature for s in batch], device=device),
-            torch.tensor([s.request.params.top_k for s in batch], device=device),
-            torch.tensor([s.request.params.top_p for s in batch], device=device),
-            filtered=needs_filters(s.request.params for s in batch),
-        )
+        params = [s.request.params for s in batch]
+        t = param_tensors(params, self.device)
+        probs = processed_probs(logits, t["temperature"], t["top_k"], t["top_p"], filtered=needs_filters(params))
         return sample(probs, [s.random for s in batch])
 
     def _ar_step(self, batch: list[SlotState]) -> tuple[list[list[int]], bool]:
@@ -462,10 +458,9 @@ class DecodeEngine:
                 input_pos = input_pos + 1
             return (torch.cat(new, dim=1),)
 
+        t = param_tensors(params, device)
         inputs = {"tokens": tokens, "input_pos": pos, "state": stream_state([s.random for s in batch], device),
-                  "temperature": torch.tensor([p.temperature for p in params], device=device),
-                  "top_k": torch.tensor([p.top_k for p in params], device=device),
-                  "top_p": torch.tensor([p.top_p for p in params], device=device)}
+                  "temperature": t["temperature"], "top_k": t["top_k"], "top_p": t["top_p"]}
         (new,) = self.run_graph(("ar-sampled", steps, kv_len, filtered), fn, rows, inputs)
         return new.tolist()
 

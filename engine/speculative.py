@@ -23,7 +23,8 @@ import torch
 
 from engine.cache import row_index
 from engine.model import StepContext
-from engine.sampling import advance, needs_filters, processed_probs, sample, sample_with, stream_state, uniform_at
+from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
+                             uniform_at)
 from engine.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
@@ -142,12 +143,9 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
     pending = torch.tensor([s.pending for s in slots], device=device)
     streams = [s.random for s in slots]
-    temperature = torch.tensor([s.request.params.temperature for s in slots], device=device)
-    draft_temperature = torch.tensor(
-        [s.request.params.draft_temperature if s.request.params.draft_temperature is not None
-         else s.request.params.temperature for s in slots], device=device)
-    top_k = torch.tensor([s.request.params.top_k for s in slots], device=device)
-    top_p = torch.tensor([s.request.params.top_p for s in slots], device=device)
+    sampling = param_tensors([s.request.params for s in slots], device)
+    temperature, draft_temperature = sampling["temperature"], sampling["draft_temperature"]
+    top_k, top_p = sampling["top_k"], sampling["top_p"]
     filtered = needs_filters(s.request.params for s in slots)
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
@@ -329,13 +327,7 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     if not greedy:
         params = [s.request.params for s in slots]
         filtered = needs_filters(params)
-        inputs.update(
-            state=stream_state([s.random for s in slots], device),
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            draft_temperature=torch.tensor([p.draft_temperature if p.draft_temperature is not None else p.temperature
-                                            for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device))
+        inputs.update(state=stream_state([s.random for s in slots], device), **param_tensors(params, device))
     last, g0, _ = groups[-1]
     groups[-1] = (last, g0, eng.batch_bucket(b))  # rows padded to the bucket (if any) join the last group
 

@@ -61,3 +61,15 @@ def test_round_profile_without_a_gpu_says_so_and_where_to_run_it():
     done = subprocess.run([sys.executable, "-m", "bench.round_profile"], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+
+
+def test_fused_and_attention_rows_run_in_the_same_settings():
+    import argparse
+
+    from bench.gpu import fused_settings
+
+    settings = [(1, "long", 256, True), (1, "long", 256, False), (8, "long", 256, True)]
+    args = argparse.Namespace(fused_batch_sizes="1", fused_greedy_only=True)
+    assert fused_settings(args, settings) == [(1, "long", 256, True)]
+    args = argparse.Namespace(fused_batch_sizes=None, fused_greedy_only=False)
+    assert fused_settings(args, settings) == settings

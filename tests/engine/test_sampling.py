@@ -151,3 +151,13 @@ def test_valid_sampling_params():
     assert SamplingParams().greedy
     assert not SamplingParams(temperature=0.7, top_p=0.9, top_k=5).greedy
     assert SamplingParams(stop="END").stop == ("END",)
+
+
+def test_param_tensors_are_per_row_and_the_draft_temperature_falls_back_to_the_request_s():
+    from engine.sampling import param_tensors
+
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9), SamplingParams(temperature=1.2, draft_temperature=0.8)]
+    t = param_tensors(params, torch.device("cpu"))
+    assert t["temperature"].tolist() == pytest.approx([0.7, 1.2]) and t["draft_temperature"].tolist() == pytest.approx([0.7, 0.8])
+    assert t["top_p"].tolist() == pytest.approx([0.9, 1.0]) and t["top_k"].tolist() == [5, 0]
+    assert t["temperature"].dtype == torch.float32 and t["top_k"].dtype == torch.long
