@@ -23,6 +23,7 @@ path with --fused) and prints a table of the ratios and each backend's decode st
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -115,6 +116,30 @@ def fp32_agreement(model, prompts: list[list[int]], outs: list[list[int]]) -> di
         gaps += gap[miss].tolist()
     return {"fp32_agreement": agree / total if total else None, "fp32_misses": len(gaps),
             "fp32_gap_median": statistics.median(gaps) if gaps else None, "fp32_gap_max": max(gaps, default=None)}
+
+
+class GcPauses:
+    """Python's garbage-collector pauses while active (gc.callbacks): seconds and collections of generation 2.
+    A short cell's pass is under a second; one full collection of a process holding compiled graphs can
+    take a sizeable part of it, on one row and not the next."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info.get("generation") == 2
+            self._start = None
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
 
 
 def pick_prompts(data: dict, kind: str, bs: int) -> tuple[list[list[int]], list[str]]:
@@ -229,11 +254,12 @@ class Bench:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         rates, captures = [], eng.graphs.captures
-        for _ in range(self.args.passes):  # a short cell is a fraction of a second: the median of several passes
-            t0 = time.perf_counter()
-            outs = once()
-            torch.cuda.synchronize()
-            rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        with GcPauses() as pauses:
+            for _ in range(self.args.passes):  # a short cell is a fraction of a second: the median of several passes
+                t0 = time.perf_counter()
+                outs = once()
+                torch.cuda.synchronize()
+                rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
         rounds = sum(o.stats.rounds for o in outs if o.stats)
         emitted = sum(o.stats.emitted for o in outs if o.stats)
         drafted = sum(o.stats.drafted for o in outs if o.stats)
@@ -242,7 +268,8 @@ class Bench:
                "mal": emitted / rounds if rounds else None,
                "acc": accepted / drafted if drafted else None, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
                "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs),
-               "graphs_in_passes": eng.graphs.captures - captures}  # captured inside the measured passes
+               "graphs_in_passes": eng.graphs.captures - captures,  # captured inside the measured passes
+               "gc_ms_per_pass": round(pauses.seconds * 1000 / self.args.passes, 2), "gc_full": pauses.full}
         if governor:  # what it measured and decided from: seconds per token and sample counts per bucket
             row["governor"] = gov.snapshot()
         if reference is not None and greedy:

@@ -1,6 +1,6 @@
 """Where a bs-1 greedy FlashSpec round's GPU time goes, piece by piece, and one attention call per backend.
 
-    python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused]
+    python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
@@ -18,6 +18,7 @@ import json
 import torch
 
 from bench.gpu import capture_graph, count_kernels, cuda_ms
+from engine import triton_kernels
 
 
 @torch.no_grad()
@@ -27,6 +28,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     from engine.loading import load_model
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
+    from engine.triton_kernels import argmax
     from engine.verify import verify_greedy
 
     loaded = load_model("default", device="cuda", dtype="bfloat16")
@@ -46,12 +48,13 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     token = torch.zeros(1, 1, dtype=torch.long, device=dev)
     at = lambda j=0: torch.full((1,), position + j, device=dev)  # noqa: E731
     print(json.dumps({"domain": domain, "attention": model.backend.name, "fused": model.fused, "kv_slots": kv,
+                      "small_kernels": triton_kernels.ENABLED,
                       "trunk_layers": trunk_layers, "feature_layers": capture}), flush=True)
 
     def full(t):
         def fn():
             pos = position + torch.arange(t, device=dev)[None]
-            return model(token.expand(1, t), pos, cache=eng.cache, rows=rows, kv_len=kv).logits.argmax(-1)
+            return argmax(model(token.expand(1, t), pos, cache=eng.cache, rows=rows, kv_len=kv).logits)
         return fn
 
     def trunk(tok, p):
@@ -60,7 +63,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     def draft_step(tr, proxy, p):
         ctx = model.context(p[:, None], eng.draft_cache, rows, draft_kv)
         out = draft.adapters_forward(tr, proxy[:, None], ctx)[:, 0]
-        return draft.head_logits(out).argmax(-1), draft.proxy_feature(out)
+        return argmax(draft.head_logits(out)), draft.proxy_feature(out)
 
     def chain():
         tok, proxy, trunks = token[:, 0], torch.zeros(1, hidden, device=dev, dtype=dtype), []
@@ -79,7 +82,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
             pos = position + torch.arange(t, device=dev)[None]
             out = model(None, pos, layers=range(trunk_layers, layers), hidden=zeros6[:, :t] if hid is None else hid,
                         cache=eng.cache, rows=rows, kv_len=kv, capture=cap)
-            return verify_greedy(drafted, out.logits).num_accepted if t == 6 else out.logits.argmax(-1)
+            return verify_greedy(drafted, out.logits).num_accepted if t == 6 else argmax(out.logits)
         return fn
 
     side = torch.cuda.Stream()
@@ -146,7 +149,10 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa", help="attention backend of the round pieces")
     parser.add_argument("--unfused", action="store_true", help="leave the target and draft unfused")
     parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
+    parser.add_argument("--no-small-kernels", action="store_true",
+                        help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     args = parser.parse_args()
+    triton_kernels.ENABLED = not args.no_small_kernels
     if not torch.cuda.is_available():
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.attention_calls:

@@ -79,14 +79,14 @@ def make_backend(name: str = "sdpa", device: str | torch.device | None = None) -
     """`sdpa` (default), `flex`, `triton`, or `auto`: triton for a CUDA `device` where the triton package
     is installed, SDPA otherwise (silently). `flash_attn` and `flashinfer` fall back to SDPA with a warning."""
     if name == "auto":
-        from engine.triton_attention import available
+        from engine.triton_kernels import available
 
         cuda = device is not None and torch.device(device).type == "cuda"
         return TritonBackend() if cuda and available() else SdpaBackend()
     if name == "sdpa":
         return SdpaBackend()
     if name == "triton":
-        from engine.triton_attention import available
+        from engine.triton_kernels import available
 
         if available():
             return TritonBackend()

@@ -24,6 +24,7 @@ from engine.sampling import (RandomStream, advance, needs_filters, param_tensors
                              stream_state, uniform_at)
 from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
 from engine.text import TextStream
+from engine.triton_kernels import argmax
 
 
 class DecodeEngine:
@@ -382,7 +383,7 @@ class DecodeEngine:
     def _sample_device(self, batch: list[SlotState], logits: torch.Tensor) -> torch.Tensor:
         """(b,) tokens, left on the device."""
         if all(s.request.params.greedy for s in batch):
-            return logits.argmax(-1)
+            return argmax(logits)
         params = [s.request.params for s in batch]
         t = param_tensors(params, self.device)
         probs = processed_probs(logits, t["temperature"], t["top_k"], t["top_p"], filtered=needs_filters(params))
@@ -431,7 +432,7 @@ class DecodeEngine:
             new = []
             for _ in range(steps):
                 logits = model(tokens, input_pos, layers=layers, cache=cache, rows=rows, kv_len=kv_len).logits
-                tokens = logits[:, -1].argmax(-1)[:, None]
+                tokens = argmax(logits[:, -1])[:, None]
                 new.append(tokens)
                 input_pos = input_pos + 1
             return (torch.cat(new, dim=1),)

@@ -26,6 +26,7 @@ from engine.model import StepContext
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
                              uniform_at)
 from engine.verify import verify_greedy, verify_sampled
+from engine.triton_kernels import argmax
 
 if TYPE_CHECKING:
     from engine.scheduler import DecodeEngine
@@ -202,7 +203,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break
             if greedy:
-                token = draft_logits.argmax(-1)
+                token = argmax(draft_logits)
                 probs = None
             else:
                 probs = processed_probs(draft_logits, draft_temperature, top_k, top_p, filtered)
@@ -366,7 +367,7 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
                 break
             logits = torch.cat(next_tokens)  # (bucket, V)
             if greedy:
-                tokens = logits.argmax(-1)
+                tokens = argmax(logits)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
                 probs = processed_probs(logits, draft_temperature, top_k, top_p, filtered)
                 tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))

@@ -10,7 +10,8 @@ is a large share of the step. This kernel does the whole call in one launch:
   are the rows of one tile, so K and V are read once for the whole group, never repeated per head;
 * the visibility mask is read as it is (any mask: causal by position, deep-draft windows, padding);
 * online softmax in fp32 over blocks of the cache (flash-decoding), each split writing a partial
-  result and its log-sum-exp; a small second kernel merges the splits (one split: no merge kernel).
+  result and its log-sum-exp; a small second kernel merges the splits (one program per output row, all
+  splits at once; one split: no merge kernel).
 
 Queries whose mask shows them no key get zeros (SDPA would give NaN; the engine never asks for such a
 row except on padding rows, whose output nobody reads). fp32 inputs are multiplied in IEEE fp32 (not
@@ -91,33 +92,22 @@ def _kernels():
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def merge(P, LSE, O, n_split, sp_o, sp_l, rows, D: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D)."""
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    def merge(P, LSE, O, n_split, sp_o, sp_l, D: tl.constexpr, SP: tl.constexpr):
+        """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D); one program per
+        row, every split loaded at once (a step's merge is latency, not work: no loop of dependent loads)."""
+        r = tl.program_id(0)
+        sp = tl.arange(0, SP)
         d = tl.arange(0, D)
-        live = r < rows
-        m = tl.full((BLOCK_R,), -1.0e30, tl.float32)
-        for i in range(0, n_split):
-            m = tl.maximum(m, tl.load(LSE + i * sp_l + r, mask=live, other=-1.0e30))
-        total = tl.zeros((BLOCK_R,), tl.float32)
-        acc = tl.zeros((BLOCK_R, D), tl.float32)
-        for i in range(0, n_split):
-            lse = tl.load(LSE + i * sp_l + r, mask=live, other=-1.0e30)
-            w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
-            total += w
-            acc += w[:, None] * tl.load(P + i * sp_o + r[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(O + r[:, None] * D + d[None, :], out.to(O.dtype.element_ty), mask=live[:, None])
+        live = sp < n_split
+        lse = tl.load(LSE + sp * sp_l + r, mask=live, other=-1.0e30)
+        part = tl.load(P + sp[:, None] * sp_o + r * D + d[None, :], mask=live[:, None], other=0.0)
+        m = tl.max(lse, 0)
+        w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
+        total = tl.sum(w, 0)
+        out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
+        tl.store(O + r * D + d, out.to(O.dtype.element_ty))
 
     return attend, merge
-
-
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _splits(batch_heads: int, slots: int) -> int:
@@ -160,8 +150,6 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                                 *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0),
                                 t, s, per_split, scale, SPLIT=True, **common)
     out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
-    rows = bsz * hq * t
-    block_r = 16
-    merge[(-(-rows // block_r),)](part, lse, out, n_split, part.stride(0), lse.stride(0), rows, D=d, BLOCK_R=block_r,
-                                  num_warps=2)
+    merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
+                           SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1)
     return out

@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from engine.sampling import RandomStream, advance, sample_with, stream_state, uniform_at
+from engine.triton_kernels import argmax
 
 
 @dataclasses.dataclass
@@ -27,7 +28,7 @@ class VerifyResult:
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> VerifyResult:
     """Longest prefix of draft_tokens (B, k) matching the target's argmax over target_logits (B, k+1, V)."""
-    target_tokens = target_logits.argmax(-1)  # (B, k+1)
+    target_tokens = argmax(target_logits)  # (B, k+1)
     k = draft_tokens.shape[1]
     matches = (draft_tokens == target_tokens[:, :k]).long()
     num_accepted = matches.cumprod(dim=1).sum(dim=1)  # (B,)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention import SdpaBackend, make_backend
-from engine.triton_attention import available
+from engine.triton_kernels import available
 
 
 def test_unknown_backend_names_the_choices():

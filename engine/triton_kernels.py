@@ -1,0 +1,137 @@
+"""Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
+and the argmax over the vocabulary.
+
+Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
+(on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, "kernel profile"). Writing a layer's
+new keys and values through advanced indexing costs 5-6 kernels (an `arange`, index computations, one
+scatter for K and one for V) and 8-12 us a layer, about a sixth of a decode step; `kv_write` does the
+same copy in one launch. It is an exact copy: nothing downstream changes by a bit. `argmax` returns
+exactly torch.argmax's index (the first of equal maxima) in about a fifth of its time on one row.
+
+Every function returns False / None for a call it does not serve (CPU tensors outside Triton's
+interpreter, dtypes or shapes it is not written for); the caller then does the work as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+ENABLED = True  # False: every function here declines, callers do the work as before (A/B runs: bench.round_profile)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kv_write_kernel(K, V, KC, VC, ROWS, POS, row0, T, S,
+                        skb, skh, skt, skd, svb, svh, svt, svd,
+                        sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
+                        H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, HAS_ROWS: tl.constexpr):
+        """One program per (row, new token): all KV heads' keys and values into the cache at its position."""
+        i = tl.program_id(0)
+        b = i // T
+        t = i % T
+        if HAS_ROWS:
+            r = tl.load(ROWS + b).to(tl.int64)
+        else:
+            r = (row0 + b).to(tl.int64)
+        p = tl.load(POS + b * spb + t * spt).to(tl.int64)
+        h = tl.arange(0, HP)
+        d = tl.arange(0, D)
+        m = (h[:, None] < H) & (d[None, :] < D) & (p >= 0) & (p < S)
+        k = tl.load(K + b * skb + h[:, None] * skh + t * skt + d[None, :] * skd, mask=m)
+        tl.store(KC + r * sckr + h[:, None] * sckh + p * scks + d[None, :] * sckd, k, mask=m)
+        v = tl.load(V + b * svb + h[:, None] * svh + t * svt + d[None, :] * svd, mask=m)
+        tl.store(VC + r * scvr + h[:, None] * scvh + p * scvs + d[None, :] * scvd, v, mask=m)
+
+    @triton.jit
+    def argmax_partial(X, VAL, IDX, V, sxr, C, BLOCK: tl.constexpr):
+        """Program (row, chunk): the largest value of one chunk of a row and its first index."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + r * sxr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN counts as the largest value, as in torch.argmax
+        v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(VAL + r * C + c, v)
+        tl.store(IDX + r * C + c, c * BLOCK + i)
+
+    @triton.jit
+    def argmax_final(VAL, IDX, OUT, C, CP: tl.constexpr):
+        """Program row: the chunk with the largest value (the first of equals) -> the row's index."""
+        r = tl.program_id(0)
+        c = tl.arange(0, CP)
+        v = tl.load(VAL + r * C + c, mask=c < C, other=-float("inf"))
+        j = tl.argmax(v, 0, tie_break_left=True)
+        tl.store(OUT + r, tl.load(IDX + r * C + j))
+
+    return kv_write_kernel, argmax_partial, argmax_final
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _served(*tensors: torch.Tensor) -> bool:
+    """CUDA tensors, or CPU tensors under Triton's interpreter (tests)."""
+    if all(t.is_cuda for t in tensors):
+        return True
+    return all(t.device.type == "cpu" for t in tensors) and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> bool:
+    """k_cache/v_cache (R, H, S, D) of one layer; rows: None (rows 0..B-1), a slice of consecutive rows or
+    a (B,) index tensor; input_pos (B, T); k, v (B, H, T, D). Writes k, v at those rows and positions, as
+    `cache[rows[:, None], :, input_pos] = k.transpose(1, 2)` does. Positions outside [0, S) are not written
+    (the indexing version raises there; the engine never asks). Returns False for calls it does not serve."""
+    bsz, heads, t, d = k.shape
+    if (not ENABLED or not available() or not _served(k_cache, v_cache, input_pos, k, v) or d & (d - 1) or d < 16
+            or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) or v.shape != k.shape
+            or k_cache.shape[1] != heads or input_pos.shape != (bsz, t) or input_pos.dtype not in (torch.int64, torch.int32)
+            or (isinstance(rows, torch.Tensor) and (not _served(rows) or rows.shape != (bsz,)))):
+        return False
+    if bsz * t == 0:
+        return True
+    if isinstance(rows, torch.Tensor):
+        row_ptr, row0, has_rows = rows, 0, True
+    else:
+        row_ptr, row0, has_rows = input_pos, (rows.start or 0) if isinstance(rows, slice) else 0, False
+    _kernels()[0][(bsz * t,)](
+        k, v, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
+        *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
+        H=heads, D=d, HP=max(1, 1 << (heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1)
+    return True
+
+
+ARGMAX_CHUNK = 2048  # vocabulary entries per program of argmax's first pass
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) (the first index of the largest value; NaN counts as largest) in two short passes:
+    chunks of every row in parallel, then one program per row. torch's reduction gives a row to one
+    block of threads: 15 us for a 49,152-entry vocabulary on an H200, a tenth of a draft step. Falls back
+    to torch.argmax for calls it does not serve."""
+    v = x.shape[-1]
+    if (not ENABLED or not available() or not _served(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or x.numel() == 0 or x.stride(-1) != 1 or v < 2 * ARGMAX_CHUNK):
+        return x.argmax(-1)
+    rows = x.reshape(-1, v)  # a view for the engine's logits (contiguous rows); a copy otherwise
+    n, chunks = rows.shape[0], -(-v // ARGMAX_CHUNK)
+    val = torch.empty(n, chunks, device=x.device, dtype=torch.float32)
+    idx = torch.empty(n, chunks, device=x.device, dtype=torch.int64)
+    out = torch.empty(n, device=x.device, dtype=torch.int64)
+    _, partial, final = _kernels()
+    partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
+    final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    return out.view(x.shape[:-1])
