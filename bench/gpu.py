@@ -142,10 +142,16 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
-def pick_prompts(data: dict, kind: str, bs: int) -> tuple[list[list[int]], list[str]]:
-    """bs prompts cycling over the domains (bs 1: one per domain, run one after another)."""
+def pick_prompts(data: dict, kind: str, bs: int, short_prompts: int = 24) -> tuple[list[list[int]], list[str]]:
+    """Prompts cycling over the domains, run in batches of bs: for long prompts max(bs, 3) (bs 1: one per
+    domain, one after another); for short ones max(bs, short_prompts): 3 requests of 20 new tokens are
+    0.15 s of work on an H200, where a few milliseconds of host jitter move a pass by several percent."""
     ids, domains = [], []
-    n = max(bs, 3)
+    n = max(bs, 3 if kind == "long" else short_prompts)
+    per_domain = len(data[DOMAINS[0]][kind])
+    if n > 3 * per_domain:
+        raise SystemExit(f"{n} {kind} prompts asked for, the prompt file has {per_domain} per domain; "
+                         "lower --short-prompts or add prompts (python -m bench.export_prompts)")
     for i in range(n):
         d = DOMAINS[i % 3]
         ids.append(data[d][kind][i // 3])
@@ -435,7 +441,7 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     settings = fused_settings(args, settings)
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-        prompts, domains = pick_prompts(bench.prompts, kind, bs)
+        prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts)
         ref = refs[setting]
         bench.measure(setting, "engine AR (fused)",
                       lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
@@ -493,7 +499,7 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
         suffix = f" (fused, {name} attention)" if args.fused else f" ({name} attention)"
         for bs, kind, new, greedy in settings:
             setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-            prompts, domains = pick_prompts(bench.prompts, kind, bs)
+            prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts)
             ref = refs[setting]
             bench.measure(setting, f"engine AR{suffix}",
                           lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
@@ -526,7 +532,7 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
 def main_table(bench: Bench, args) -> list[str]:
     """The setup line and one row per measured path, with ratios to engine AR and transformers static."""
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
-             f"prompts {args.prompts}" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else ""),
+             f"prompts {args.prompts} (long cells max(bs, 3) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else ""),
              "",
              "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
              "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -584,6 +590,8 @@ def main() -> None:
                         help="block sizes of the best-draft rows (the governor row always uses 5)")
     parser.add_argument("--fused-batch-sizes", default=None, help="fused rows only at these batch sizes (default: all)")
     parser.add_argument("--fused-greedy-only", action="store_true", help="fused rows only for the greedy settings")
+    parser.add_argument("--short-prompts", type=int, default=24,
+                        help="requests per short (32->20) cell (long cells: max(batch size, 3))")
     parser.add_argument("--passes", type=int, default=1,
                         help="measured passes per row after the warm-up one; tokens/s is their median")
     parser.add_argument("--no-fp32-check", dest="fp32_check", action="store_false",
@@ -610,7 +618,7 @@ def main() -> None:
     refs: dict[str, list] = {}  # setting -> the unfused engine AR outputs
     for bs, kind, new, greedy in settings:
         setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-        prompts, domains = pick_prompts(bench.prompts, kind, bs)
+        prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts)
         if not args.skip_hf:
             for mode in args.hf_modes.split(","):
                 bench.measure(setting, f"transformers generate ({mode})",

@@ -111,10 +111,11 @@ def _kernels():
 
 
 def _splits(batch_heads: int, slots: int) -> int:
-    """Cache splits per (row, KV head): about 96 programs in all, each split at least 160 slots long.
-    From the H200 (SmolLM2 shapes, bf16): bs 1 at 704 slots is fastest with 4-8 splits (7.8 us against
-    12 us unsplit), bs 8 at 768 with 4, bs 64 at 1,024 with 1-2 (bench/RESULTS.md)."""
-    return max(1, min(-(-96 // max(batch_heads, 1)), slots // 160))
+    """Cache splits per (row, KV head): about 384 programs in all, at most 16 splits, each at least one
+    block of slots. From the H200 (SmolLM2 shapes, bf16, the one-program-per-row merge): bs 1 at 704 slots
+    4.3 us with 11 splits against 6.0 with 4 and 12.0 unsplit; bs 8 at 768 fastest with 12-16, bs 64 at
+    1,024 with 2 (bench/RESULTS.md)."""
+    return max(1, min(16, -(-384 // max(batch_heads, 1)), -(-slots // BLOCK_N)))
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

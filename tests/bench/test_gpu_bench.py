@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench.gpu import fp32_agreement
@@ -73,3 +74,17 @@ def test_fused_and_attention_rows_run_in_the_same_settings():
     assert fused_settings(args, settings) == [(1, "long", 256, True)]
     args = argparse.Namespace(fused_batch_sizes=None, fused_greedy_only=False)
     assert fused_settings(args, settings) == settings
+
+
+def test_short_cells_run_more_requests_than_long_ones():
+    from bench.gpu import pick_prompts
+
+    data = {d: {"long": [[n, i, 1] for i in range(16)], "short": [[n, i, 2] for i in range(16)]}
+            for n, d in enumerate(("code", "general", "dialog"))}
+    long1, domains = pick_prompts(data, "long", 1)
+    assert len(long1) == 3 and domains == ["code", "general", "dialog"]
+    assert len(pick_prompts(data, "long", 8)[0]) == 8
+    short, domains = pick_prompts(data, "short", 1, short_prompts=24)
+    assert len(short) == 24 and domains.count("code") == 8 and len({tuple(p) for p in short}) == 24
+    with pytest.raises(SystemExit, match="16 per domain"):
+        pick_prompts(data, "short", 1, short_prompts=60)

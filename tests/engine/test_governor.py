@@ -247,3 +247,15 @@ def test_plain_steps_cut_short_by_a_limit_are_no_cost_sample(tiny):
     out = generate(eng, [[1, 2, 3], [4, 5, 6]], SamplingParams(max_new_tokens=11, eos_token_ids=()))
     assert [len(o.token_ids) for o in out] == [11, 11]  # 1 from the prefill, then steps of 4, 4 and a cut 2
     assert seen == [(2, 8)]  # the first step captured its graph (no sample either), the last was cut short
+
+
+def test_rounds_of_varying_length_are_priced_by_total_tokens():
+    # Speculative rounds make 1 to gamma + 1 tokens. 2 ms rounds of 1 and 6 tokens cost 4 ms per 7 tokens
+    # (0.57 ms a token): they pay against 1 ms plain tokens, though their per-round average would not (1.17).
+    gov = SpeculationGovernor(min_samples=4)
+    for i in range(16):
+        gov.observe_ar(1, 0.004, 4)
+        gov.observe_spec("code", 1, 0.002, 1 if i % 2 else 6)
+    cost = gov.snapshot()["spec_seconds_per_token"]["code@1"]
+    assert 0.0004 < cost < 0.0008
+    assert gov.keep_speculating("code", 1)
