@@ -88,3 +88,74 @@ def test_argmax_is_torch_s_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 9000)
     assert torch.equal(argmax(x), x.argmax(-1))
+
+
+LINEAR = """
+import torch, torch.nn.functional as F
+from engine.fused import rms_norm, silu_mul
+from engine.triton_kernels import ADD_RMS_NORM, RMS_NORM, SILU_MUL, linear
+torch.manual_seed(0)
+dt = torch.float16  # the interpreter's numpy has no bfloat16
+for m, k, n in ((1, 64, 48), (6, 200, 40), (16, 128, 1100)):
+    x = torch.randn(m, k).to(dt)
+    w = (torch.randn(n, k) * 0.1).to(dt)
+    b = torch.randn(n).to(dt)
+    ref = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(linear(x, w, b).float(), ref, atol=2e-2, rtol=1e-2)
+    assert torch.equal(linear(x[:1], w, b), linear(x, w, b)[:1])  # a row's result does not depend on M
+    nw = (1 + 0.1 * torch.randn(k)).to(dt)
+    torch.testing.assert_close(linear(x, w, prologue=RMS_NORM, norm_weight=nw, eps=1e-5).float(),
+                               F.linear(rms_norm(x, nw, 1e-5).float(), w.float()), atol=2e-2, rtol=1e-2)
+    d = torch.randn(m, k).to(dt)
+    res, y = linear(x, w, prologue=ADD_RMS_NORM, delta=d, norm_weight=nw, eps=1e-5)
+    assert torch.equal(res, x + d)
+    torch.testing.assert_close(y.float(), F.linear(rms_norm(x + d, nw, 1e-5).float(), w.float()), atol=2e-2, rtol=1e-2)
+    gu = torch.randn(m, 2 * k).to(dt)
+    torch.testing.assert_close(linear(gu, w, prologue=SILU_MUL).float(), F.linear(silu_mul(gu, k).float(), w.float()),
+                               atol=2e-2, rtol=1e-2)
+assert linear(torch.randn(17, 64).to(dt), w[:, :64].contiguous()) is None  # more rows than one tile: cuBLAS
+assert linear(torch.randn(2, 64), torch.randn(8, 64)) is None  # fp32: cuBLAS
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not available(), reason="needs the triton package")
+def test_linear_matches_eager_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", LINEAR], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+FUSED_LAYERS = """
+import torch
+from engine import triton_kernels
+from engine.config import ModelArgs
+from engine.model import Transformer
+torch.manual_seed(0)
+args = ModelArgs(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
+                 num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)
+model = Transformer(args, max_seq_len=64).half().eval().requires_grad_(False)
+model.fuse_for_inference(compile=False)
+prompt = torch.randint(0, 256, (2, 20))
+outs = {}
+for enabled in (False, True):
+    triton_kernels.ENABLED = enabled
+    cache = model.new_cache(2, 64)
+    pos = torch.arange(20)[None].expand(2, -1)
+    model(prompt, pos, cache=cache)  # prefill: more rows than one tile, not the kernel's
+    step = torch.randint(0, 256, (2, 3), generator=torch.Generator().manual_seed(1))
+    out = model(step, 20 + torch.arange(3)[None].expand(2, -1), cache=cache, kv_len=23)  # 6 rows: the kernel's
+    outs[enabled] = (out.hidden.float(), out.logits.float(), cache.k[2][:, :, :23].float())
+for a, b in zip(outs[False], outs[True]):
+    torch.testing.assert_close(b, a, atol=3e-2, rtol=3e-2)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not available(), reason="needs the triton package")
+def test_fused_layers_on_the_kernels_match_the_eager_path_in_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", FUSED_LAYERS], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
