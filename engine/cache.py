@@ -68,7 +68,7 @@ class KVCache:
         rows: None (rows 0..B-1), a slice of consecutive rows (a view, no copy) or a (B,) index tensor.
         """
         k_cache, v_cache = self.k[layer], self.v[layer]
-        if triton_kernels.served(k_cache) and triton_kernels.kv_write(k_cache, v_cache, rows, input_pos, k, v):
+        if k_cache.is_cuda and triton_kernels.kv_write(k_cache, v_cache, rows, input_pos, k, v):
             return  # one kernel for both (the indexing below is 5-6 kernels a layer)
         if rows is None:
             rows = slice(0, k.shape[0])

@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine import triton_kernels
 from engine.attention import AttentionBackend, SdpaBackend
 from engine.cache import KVCache
 from engine.config import ModelArgs
@@ -42,12 +41,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def small_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """lin(x), through engine.triton_kernels.linear for the few rows of a GPU step (cuBLAS otherwise)."""
-    y = triton_kernels.linear(x, lin.weight, lin.bias) if triton_kernels.served(x) else None
-    return lin(x) if y is None else y
 
 
 class _FusableProjections(nn.Module):
@@ -94,14 +87,10 @@ class Attention(_FusableProjections):
     def forward_fused(self, x: torch.Tensor, shape: tuple[int, int], ctx: "StepContext", cache_layer: int,
                       kernels: "Kernels") -> torch.Tensor:
         """x (N, H) with N = B*T rows of shape (B, T) -> (N, H): one q|k|v GEMM, one RoPE pass over q and k."""
-        return self.attend_fused(self.qkv(x), shape, ctx, cache_layer, kernels)
-
-    def attend_fused(self, qkv: torch.Tensor, shape: tuple[int, int], ctx: "StepContext", cache_layer: int,
-                     kernels: "Kernels") -> torch.Tensor:
-        """The rest of `forward_fused` from the q|k|v projection (N, (Hq + 2 Hkv) D) on."""
         bsz, seqlen = shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         n = bsz * seqlen
+        qkv = self.qkv(x)  # (N, (Hq + 2 Hkv) D)
         qk = kernels.rope_qk(qkv, ctx.cos.reshape(n, d), ctx.sin.reshape(n, d), hq + hkv, d)  # (N, Hq + Hkv, D)
         q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
         k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
@@ -110,7 +99,7 @@ class Attention(_FusableProjections):
             ctx.cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
             k, v = ctx.cache.read(cache_layer, ctx.rows, ctx.kv_len)
         out = ctx.backend(q, k, v, ctx.mask)  # (B, Hq, T, D)
-        return small_linear(self.o_proj, out.transpose(1, 2).reshape(n, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(n, -1))
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -184,10 +173,6 @@ class DecoderLayer(nn.Module):
         -> (residual after attention, this layer's MLP output): the add is folded into the next norm."""
         kernels = self.ops.select(shape[1])
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if x.shape[0] <= triton_kernels.MAX_LINEAR_ROWS and triton_kernels.served(x):
-            out = self._forward_few_rows(x, delta, shape, ctx, cache_layer, kernels)
-            if out is not None:
-                return out
         if delta is None:
             h = kernels.rms_norm(x, ln1.weight, ln1.eps)
         else:
@@ -195,33 +180,6 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward_fused(h, shape, ctx, cache_layer, kernels)
         x, h = kernels.add_rms_norm(x, a, ln2.weight, ln2.eps)
         return x, self.mlp.forward_fused(h, kernels)
-
-    def _forward_few_rows(self, x, delta, shape, ctx, cache_layer, kernels):
-        """`forward_fused` for a step of at most 16 rows on the GPU (decode, draft, verify): each norm runs
-        inside the GEMM after it and SiLU * up inside the down projection (engine.triton_kernels.linear):
-        4 GEMM kernels a layer and no elementwise ones around them. None when the kernel does not serve."""
-        from engine.triton_kernels import ADD_RMS_NORM, RMS_NORM, SILU_MUL, linear  # noqa: I001
-
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, gate_up, down = self.self_attn.qkv, self.mlp.gate_up, self.mlp.down_proj
-        if delta is None:
-            q = linear(x, qkv.weight, qkv.bias, RMS_NORM, norm_weight=ln1.weight, eps=ln1.eps)
-            out = None if q is None else (x, q)
-        else:
-            out = linear(x, qkv.weight, qkv.bias, ADD_RMS_NORM, delta=delta, norm_weight=ln1.weight, eps=ln1.eps)
-        if out is None:
-            return None
-        x, q = out
-        a = self.self_attn.attend_fused(q, shape, ctx, cache_layer, kernels)
-        out = linear(x, gate_up.weight, gate_up.bias, ADD_RMS_NORM, delta=a, norm_weight=ln2.weight, eps=ln2.eps)
-        if out is None:
-            x, h = kernels.add_rms_norm(x, a, ln2.weight, ln2.eps)
-            out = (x, gate_up(h))
-        x, gu = out
-        y = linear(gu, down.weight, down.bias, SILU_MUL)
-        if y is None:
-            y = down(kernels.silu_mul(gu, self.mlp.gate_proj.out_features))
-        return x, y
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         if self.ops is not None and self.fusion_active():
