@@ -228,7 +228,7 @@ class Bench:
         from engine.speculative import SpecConfig
 
         max_len = max(len(p) for p in prompts) + new + 16
-        gov = SpeculationGovernor(enabled=governor, min_samples=4) if governor else None
+        gov = SpeculationGovernor(enabled=governor) if governor else None
         eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
                            spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph)
         if drafts:
@@ -246,7 +246,8 @@ class Bench:
             return outs
 
         if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
-            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=40, eos_token_ids=()), None)
+            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=(gov.min_samples + 2) * eng.ar_steps_per_sync,
+                                                       eos_token_ids=()), None)
         once()  # warm-up: captures the CUDA graphs of every shape this workload meets
         for _ in range(2):
             # Run 10's bs 8 rows captured 4-5 graphs inside their measured passes although the warm-up pass

@@ -45,6 +45,7 @@ def test_attention_backend_reaches_the_target_and_bad_names_are_refused(app_args
 
     with pytest.raises(ValidationError, match="attention_backend"):
         AppArgs.model_validate({**app_args, "attention_backend": "fastest"})
+    assert AppArgs.model_validate(app_args).attention_backend == "auto"  # triton on CUDA, SDPA on the CPU
     args = AppArgs.model_validate({**app_args, "attention_backend": "triton", "max_batch_size": 2})
     core = GeneratorCore(args, registry=None)
     try:
