@@ -2,6 +2,7 @@
 
     python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
+    python -m bench.round_profile --kernel-table [--attention triton]   # a decode step's kernels by type
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
 piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
@@ -143,12 +144,58 @@ def attention_calls() -> None:
         print(json.dumps(row), flush=True)
 
 
+@torch.no_grad()
+def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10) -> None:
+    """One fused decode step (and verify-sized pass) of the default model by CUDA kernel: count, GPU time
+    each kernel type took in one eager run (torch.profiler), against the step's CUDA-graph replay time,
+    with engine.triton_kernels off and on."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.loading import load_model
+    from engine.triton_kernels import argmax
+
+    model = load_model("default", device="cuda", dtype="bfloat16").model
+    model.fuse_for_inference(compile=True)
+    model.set_attention_backend(attention)
+    cache, kv = model.new_cache(1, 1024), 704
+    for enabled in (False, True):
+        triton_kernels.ENABLED = enabled
+        for t in tokens:
+            tok = torch.zeros(1, t, dtype=torch.long, device="cuda")
+            pos = 600 + torch.arange(t, device="cuda")[None]
+
+            def fn():
+                return argmax(model(tok, pos, cache=cache, kv_len=kv).logits)
+
+            ms = cuda_ms(capture_graph(fn).replay, 300)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            by = defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                if e.device_type == DeviceType.CUDA:
+                    by[e.name[:80]][0] += 1
+                    by[e.name[:80]][1] += e.time_range.elapsed_us()
+            print(json.dumps({"attention": model.backend.name, "small_kernels": enabled, "tokens": t,
+                              "graph_ms": round(ms, 3), "kernels": sum(c for c, _ in by.values()),
+                              "kernel_busy_ms": round(sum(d for _, d in by.values()) / 1000, 3)}), flush=True)
+            for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
+    triton_kernels.ENABLED = True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="code", help="which shipped draft (drafts/demo/<domain>)")
     parser.add_argument("--attention", default="sdpa", help="attention backend of the round pieces")
     parser.add_argument("--unfused", action="store_true", help="leave the target and draft unfused")
     parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
+    parser.add_argument("--kernel-table", action="store_true",
+                        help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     args = parser.parse_args()
@@ -157,6 +204,8 @@ def main() -> None:
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.attention_calls:
         attention_calls()
+    elif args.kernel_table:
+        kernel_table(args.attention)
     else:
         round_pieces(args.domain, args.attention, not args.unfused)
 

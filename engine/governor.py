@@ -19,6 +19,7 @@ only while its cost per token is at most plain decoding's:
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -30,10 +31,13 @@ class _Rate:
     overstate what speculation costs, whose tokens per round vary from 1 to gamma + 1 (the mean of ratios
     exceeds the ratio of means: 2 ms rounds of 1 and 6 tokens average 1.17 ms a token that way, against
     the 0.57 ms they cost). The first 1/alpha samples are plainly averaged (the first sample does not
-    dominate a slow average), later ones exponentially."""
+    dominate a slow average), later ones exponentially. Second moments give the estimate's error."""
 
     seconds: float = 0.0
     tokens: float = 0.0
+    seconds_sq: float = 0.0
+    tokens_sq: float = 0.0
+    product: float = 0.0
     count: int = 0
 
     def update(self, seconds: float, tokens: int, alpha: float) -> None:
@@ -41,10 +45,22 @@ class _Rate:
         a = max(alpha, 1.0 / self.count)
         self.seconds += a * (seconds - self.seconds)
         self.tokens += a * (tokens - self.tokens)
+        self.seconds_sq += a * (seconds * seconds - self.seconds_sq)
+        self.tokens_sq += a * (tokens * tokens - self.tokens_sq)
+        self.product += a * (seconds * tokens - self.product)
 
     @property
     def value(self) -> float | None:
         return self.seconds / self.tokens if self.count else None
+
+    def relative_error(self, alpha: float) -> float:
+        """Standard error of `value`, relative to it: the delta method for a ratio of means, over the samples
+        the average spans (all of them up to about 2 / alpha)."""
+        if self.count < 2 or self.seconds <= 0:
+            return math.inf
+        r = self.value
+        spread = max(self.seconds_sq - 2 * r * self.product + r * r * self.tokens_sq, 0.0)  # Var(seconds - r * tokens)
+        return math.sqrt(spread / min(self.count, 2 / alpha - 1)) / self.seconds
 
 
 def batch_bucket(rows: int) -> int:
@@ -56,15 +72,18 @@ def batch_bucket(rows: int) -> int:
 
 
 class SpeculationGovernor:
-    def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 16, probe_every: int = 64,
-                 tolerance: float = 1.0, probe_seconds: float = 30.0, clock=time.monotonic) -> None:
-        """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost.
-        alpha / min_samples: the costs average over about 1/alpha samples, and no decision is taken on fewer
-        than min_samples of either side. A round's tokens vary widely (1 to gamma + 1; with the shipped drafts'
-        2.7 a round, a standard deviation of about 1.7): over a short window the estimate of a draft that
-        pays 1.33x dips below plain decoding within a few dozen rounds, and a dropped request does not come
-        back. With alpha 0.2 and 4 samples a simulated 1.33x draft speculated 1 % of its tokens; with 0.01
-        and 16, all of them, while drafts at 0.95x or slower still speculated for about 1 %
+    def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 8, probe_every: int = 64,
+                 tolerance: float = 1.0, probe_seconds: float = 30.0, error_weight: float = 1.0,
+                 clock=time.monotonic) -> None:
+        """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost * (1 + error_weight * e),
+        e the two estimates' combined relative standard error.
+        alpha / min_samples: the costs average over about 1/alpha samples (a plain mean until then), and no
+        decision is taken on fewer than min_samples of either side. A round's tokens vary widely (1 to
+        gamma + 1; with the shipped drafts 2.7 a round, a standard deviation of about 1.7), and a request
+        dropped from speculation does not come back: over a short window with no error margin (alpha 0.2,
+        4 samples, as before) the estimate of a draft that pays 1.33x dipped below plain decoding within a
+        few dozen rounds, and in a simulation of such rounds it speculated 1 % of its tokens. With these
+        defaults: 1.33x all of them, 1.15x 83 %, 0.95x 2 %, 0.6x 0.3 % (its first 8 rounds)
         (tests/engine/test_governor.py, test_noisy_rounds_keep_a_paying_draft_on).
         probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
         admission, and on the first admission after probe_seconds without a speculative round of it
@@ -75,6 +94,7 @@ class SpeculationGovernor:
         self.probe_every = probe_every
         self.probe_seconds = probe_seconds
         self.tolerance = tolerance
+        self.error_weight = error_weight
         self._clock = clock
         self._last_spec: dict[str, float] = {}
         self._buckets = [2**i for i in range(16)]
@@ -109,30 +129,36 @@ class SpeculationGovernor:
             return None
         return max(elapsed - plain * plain_tokens, round_seconds)
 
-    def _cost(self, table: dict, key, bucket: int) -> float | None:
-        """Seconds per token at this bucket; an unmeasured bucket is estimated from the largest measured
-        smaller one, assuming a batched step costs what a smaller one does (decode steps are bound by
-        reading the weights or by launches, not by the rows) until it is measured itself."""
+    def _cost(self, table: dict, key, bucket: int) -> tuple[float, float] | None:
+        """(seconds per token, its relative standard error) at this bucket; an unmeasured bucket is estimated
+        from the largest measured smaller one, assuming a batched step costs what a smaller one does (decode
+        steps are bound by reading the weights or by launches, not by the rows) until it is measured itself."""
         own = table.get(key(bucket))
         if own is not None and own.count >= self.min_samples:
-            return own.value
+            return own.value, own.relative_error(self.alpha)
         known = [b for b in self._buckets if b < bucket and (e := table.get(key(b))) is not None and e.count >= self.min_samples]
         if not known:
             return None
         b = max(known)
-        return table[key(b)].value * b / bucket
+        rate = table[key(b)]
+        return rate.value * b / bucket, rate.relative_error(self.alpha)
 
     def _plain_cost(self, bucket: int) -> float | None:
-        return self._cost(self._ar, lambda b: b, bucket)
+        cost = self._cost(self._ar, lambda b: b, bucket)
+        return None if cost is None else cost[0]
 
     def _pays(self, draft: str, rows: int) -> bool | None:
-        """True/False once both sides have a cost at this batch size (measured or estimated); None before."""
+        """True/False once both sides have a cost at this batch size (measured or estimated); None before.
+        Speculation is judged to pay unless its cost exceeds plain decoding's by more than the two
+        estimates' combined standard error: a few noisy rounds do not turn off a draft that pays (a
+        request dropped from speculation does not come back), a clearly slower one goes within a few."""
         bucket = batch_bucket(rows)
-        spec_cost = self._cost(self._spec, lambda b: (draft, b), bucket)
-        ar_cost = self._plain_cost(bucket)
-        if spec_cost is None or ar_cost is None:
+        spec = self._cost(self._spec, lambda b: (draft, b), bucket)
+        ar = self._cost(self._ar, lambda b: b, bucket)
+        if spec is None or ar is None:
             return None
-        return spec_cost <= self.tolerance * ar_cost
+        margin = self.error_weight * math.hypot(spec[1], ar[1])
+        return spec[0] <= self.tolerance * ar[0] * (1 + margin)
 
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
