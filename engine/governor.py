@@ -6,7 +6,7 @@ what its plain tokens cost at plain decoding's rate: `spec_step_seconds`). The g
 seconds per token of plain decoding and of each draft (moving averages of seconds and of tokens:
 `_Rate`), per batch-size bucket (a batched plain step is much cheaper per token than a single one, so only like
 is compared with like), and speculation for a draft stays on
-only while its cost per token is at most plain decoding's:
+only while its cost per token is at most plain decoding's, within the two estimates' standard error:
 - a new request for a draft that does not pay decodes plainly (every `probe_every`-th one still
   speculates, and so does the first one after `probe_seconds` without a round of that draft, so the
   estimate follows the traffic, also when requests are few);

@@ -25,8 +25,8 @@ from engine.cache import row_index
 from engine.model import StepContext
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
                              uniform_at)
-from engine.verify import verify_greedy, verify_sampled
 from engine.triton_kernels import argmax
+from engine.verify import verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
     from engine.scheduler import DecodeEngine

@@ -2,9 +2,9 @@
 and the argmax over the vocabulary.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
-(on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, "kernel profile"). Writing a layer's
-new keys and values through advanced indexing costs 5-6 kernels (an `arange`, index computations, one
-scatter for K and one for V) and 8-12 us a layer, about a sixth of a decode step; `kv_write` does the
+(on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
+keys and values through advanced indexing costs 5-6 kernels (an `arange`, index computations, one
+scatter for K and one for V) and 7-12 us a layer, about a sixth of a decode step; `kv_write` does the
 same copy in one launch. It is an exact copy: nothing downstream changes by a bit. `argmax` returns
 exactly torch.argmax's index (the first of equal maxima) in about a fifth of its time on one row.
 

@@ -6,6 +6,9 @@ near-zero logits, against which any parity check would pass), norms and biases i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -122,3 +125,21 @@ def tiny():
     return types.SimpleNamespace(make_tokenizer=make_tokenizer, randomize_=randomize_, make_hf_model=make_hf_model,
                                  save_hf=save_hf, tiny_vocab_target=tiny_vocab_target, PARITY_MODELS=PARITY_MODELS,
                                  VOCAB=VOCAB)
+
+
+@pytest.fixture
+def triton_interpreter():
+    """run(code): the script in a fresh process under Triton's CPU interpreter (it must be switched on before
+    triton is imported), from the repository root; the script prints "ok" last. Skips without triton."""
+    from engine.triton_kernels import available
+
+    if not available():
+        pytest.skip("needs the triton package")
+
+    def run(code: str, timeout: int = 900) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+    return run

@@ -1,11 +1,6 @@
 """The Triton attention kernel under Triton's CPU interpreter (where triton is installed), and the
 backend choice. The GPU runs are in tests/gpu/test_triton_attention.py."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -50,13 +45,8 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not available(), reason="needs the triton package")
-def test_kernel_matches_sdpa_in_the_interpreter():
-    # The interpreter must be on before triton is imported: a fresh process.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+def test_kernel_matches_sdpa_in_the_interpreter(triton_interpreter):
+    triton_interpreter(CHECK)
 
 
 def test_auto_is_sdpa_off_cuda_and_the_model_setter_uses_it():

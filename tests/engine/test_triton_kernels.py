@@ -1,16 +1,10 @@
 """The engine's small Triton kernels (engine/triton_kernels.py) under Triton's CPU interpreter, where
 triton is installed; the GPU runs are in tests/gpu/test_triton_kernels_gpu.py."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
 import torch
 
 from engine.cache import KVCache
-from engine.triton_kernels import available, kv_write
+from engine.triton_kernels import kv_write
 
 
 def test_kv_write_declines_cpu_tensors_outside_the_interpreter(monkeypatch):
@@ -47,12 +41,8 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not available(), reason="needs the triton package")
-def test_kv_write_matches_indexing_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KV_WRITE], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+def test_kv_write_matches_indexing_in_the_interpreter(triton_interpreter):
+    triton_interpreter(KV_WRITE)
 
 
 ARGMAX = """
@@ -74,12 +64,8 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not available(), reason="needs the triton package")
-def test_argmax_matches_torch_in_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", ARGMAX], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+def test_argmax_matches_torch_in_the_interpreter(triton_interpreter):
+    triton_interpreter(ARGMAX)
 
 
 def test_argmax_is_torch_s_on_cpu(monkeypatch):
