@@ -82,8 +82,8 @@ def test_short_cells_run_more_requests_than_long_ones():
     data = {d: {"long": [[n, i, 1] for i in range(16)], "short": [[n, i, 2] for i in range(16)]}
             for n, d in enumerate(("code", "general", "dialog"))}
     long1, domains = pick_prompts(data, "long", 1)
-    assert len(long1) == 3 and domains == ["code", "general", "dialog"]
-    assert len(pick_prompts(data, "long", 8)[0]) == 8
+    assert len(long1) == 6 and domains == ["code", "general", "dialog"] * 2
+    assert len(pick_prompts(data, "long", 8)[0]) == 8 and len(pick_prompts(data, "long", 1, long_prompts=3)[0]) == 3
     short, domains = pick_prompts(data, "short", 1, short_prompts=24)
     assert len(short) == 24 and domains.count("code") == 8 and len({tuple(p) for p in short}) == 24
     with pytest.raises(SystemExit, match="16 per domain"):
