@@ -1,7 +1,5 @@
 """The speculation governor: speculation stays on only while it pays, measured per batch-size bucket."""
 
-import torch
-
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.speculative import SpecConfig
 
