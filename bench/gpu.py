@@ -120,9 +120,9 @@ def fp32_agreement(model, prompts: list[list[int]], outs: list[list[int]]) -> di
 
 
 class GcPauses:
-    """Python's garbage-collector pauses while active (gc.callbacks): seconds and collections of generation 2.
-    A short cell's pass is under a second; one full collection of a process holding compiled graphs can
-    take a sizeable part of it, on one row and not the next."""
+    """Python's garbage-collector pauses while active (gc.callbacks): seconds and collections of generation 2,
+    reported per row (a short cell's pass is under a second, so a pause there would show; on the H200 they
+    were 0-1 ms a pass, bench/RESULTS.md runs 13-14)."""
 
     def __init__(self) -> None:
         self.seconds, self.full, self._start = 0.0, 0, None
