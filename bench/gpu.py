@@ -250,8 +250,7 @@ class Bench:
             return outs
 
         if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
-            generate(eng, [prompts[0]], SamplingParams(max_new_tokens=(gov.min_samples + 2) * eng.ar_steps_per_sync,
-                                                       eos_token_ids=()), None)
+            eng.calibrate(prompt=prompts[0])
         once()  # warm-up: captures the CUDA graphs of every shape this workload meets
         for _ in range(2):
             # Run 10's bs 8 rows captured 4-5 graphs inside their measured passes although the warm-up pass

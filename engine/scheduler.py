@@ -176,15 +176,17 @@ class DecodeEngine:
                 return True
         return False
 
-    def calibrate(self, prompt_tokens: int = 32, new_tokens: int | None = None) -> None:
-        """Seed the governor's plain-decoding cost (batch 1) with a short generation on a dummy prompt; by
-        default long enough for the governor's `min_samples` plain steps (and two more that may capture)."""
+    def calibrate(self, prompt_tokens: int = 32, new_tokens: int | None = None, prompt: list[int] | None = None) -> None:
+        """Seed the governor's plain-decoding cost (batch 1) with a short generation on `prompt` (default: a
+        dummy one of `prompt_tokens`); by default long enough for the governor's `min_samples` plain steps
+        (and two more that may capture)."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
 
         if new_tokens is None:
             new_tokens = (self.governor.min_samples + 2) * self.ar_steps_per_sync + 1
-        prompt = [(i * 7919) % self.model.args.vocab_size for i in range(1, prompt_tokens + 1)]
+        if prompt is None:
+            prompt = [(i * 7919) % self.model.args.vocab_size for i in range(1, prompt_tokens + 1)]
         generate(self, [prompt], SamplingParams(max_new_tokens=new_tokens, eos_token_ids=()))
 
     def warmup(self, max_len: int = 256, prompt_len: int = 32) -> int:

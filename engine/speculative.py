@@ -144,10 +144,13 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
     pending = torch.tensor([s.pending for s in slots], device=device)
     streams = [s.random for s in slots]
-    sampling = param_tensors([s.request.params for s in slots], device)
-    temperature, draft_temperature = sampling["temperature"], sampling["draft_temperature"]
-    top_k, top_p = sampling["top_k"], sampling["top_p"]
-    filtered = needs_filters(s.request.params for s in slots)
+    temperature = draft_temperature = top_k = top_p = None  # read by the sampled branches only
+    filtered = False
+    if not greedy:  # greedy rounds copy no sampling parameters to the device
+        sampling = param_tensors([s.request.params for s in slots], device)
+        temperature, draft_temperature = sampling["temperature"], sampling["draft_temperature"]
+        top_k, top_p = sampling["top_k"], sampling["top_p"]
+        filtered = needs_filters(s.request.params for s in slots)
     groups = _Groups(drafts, [s.slot for s in slots], device)
     deep_rows = [i for i, d in enumerate(drafts) if d.feature_input == "deep"]
     capture = feature_layers_of(drafts)  # only what this round's drafts fuse in
