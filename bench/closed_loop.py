@@ -11,6 +11,8 @@ request finishes, greedy, `--max-tokens` each. Modes, each on a fresh engine and
   off       no drafts (plain decoding)
   governor  every request asks for its domain's draft; the governor decides (learning included)
   always    every request speculates (governor off)
+  adaptive  every request speculates, each round's gamma picked by `engine.gamma` (governor off)
+  governor+adaptive  both
 Prints tokens/s per mode, the ratio to `off`, the speculative rounds run, and the governor's estimates.
 """
 
@@ -33,14 +35,18 @@ def run_mode(loaded, drafts: dict, prompts: list, mode: str, clients: int, secon
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
-    gov = SpeculationGovernor(enabled=mode == "governor")
+    from engine.gamma import GammaController
+
+    governed = mode in ("governor", "governor+adaptive")
+    gov = SpeculationGovernor(enabled=governed)
+    gamma = GammaController(5) if mode.endswith("adaptive") else None
     eng = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=max(clients, 1),
                        max_seq_len=max(len(p) for _, p in prompts) + max_tokens + 16,
-                       spec=SpecConfig(5, 5, draft_confidence=confidence), governor=gov)
+                       spec=SpecConfig(5, 5, draft_confidence=confidence), governor=gov, gamma=gamma)
     if mode != "off":
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
-    if mode == "governor":
+    if governed:
         eng.calibrate()
     rounds = []
     original = scheduler.spec_round
@@ -72,7 +78,7 @@ def run_mode(loaded, drafts: dict, prompts: list, mode: str, clients: int, secon
     finally:
         scheduler.spec_round = original
     return {"mode": mode, "tps": tokens / elapsed, "rounds": len(rounds), "requests": sent,
-            "governor": gov.snapshot() if mode == "governor" else None}
+            "governor": gov.snapshot() if governed else None, "gamma": gamma.snapshot() if gamma else None}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds per mode")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--modes", default="off,governor", help="comma list of off, governor, always")
+    parser.add_argument("--modes", default="off,governor", help="comma list of off, governor, always, adaptive, governor+adaptive")
     parser.add_argument("--draft-confidence", type=float, default=0.4, help="SpecConfig.draft_confidence")
     parser.add_argument("--store", default=None,
                         help="draft store (default $FLASHSPEC_HOME/store); each domain's active draft, else the shipped one")
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for m in args.modes.split(",")]
     base = next((r["tps"] for r in rows if r["mode"] == "off"), None)
     print(f"setup: {setup_line(args.device, args.threads)}; SmolLM2-135M-Instruct; engine closed loop, {args.clients} "
-          f"clients, {args.seconds:g} s per mode, greedy, max_tokens {args.max_tokens}, gamma 5, block 5, "
+          f"clients, {args.seconds:g} s per mode, greedy, max_tokens {args.max_tokens}, gamma 5 (adaptive: at most 5), block 5, "
           f"draft_confidence {args.draft_confidence:g}, drafts "
           + ", ".join(f"{d}={f.parent.name}/{f.name}" for d, f in folders.items()))
     print("| mode | tokens/s | vs off | speculative rounds | requests |")
@@ -117,7 +123,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['mode']} | {r['tps']:.1f} | {ratio} | {r['rounds']} | {r['requests']} |")
     for r in rows:
         if r["governor"]:
-            print(f"governor estimates (seconds per token by batch bucket): {r['governor']}")
+            print(f"{r['mode']}: governor estimates (seconds per token by batch bucket): {r['governor']}")
+        if r["gamma"]:
+            print(f"{r['mode']}: gamma controller (rounds per gamma, acceptance survival, round ms by key and gamma): "
+                  f"{r['gamma']}")
     return rows
 
 

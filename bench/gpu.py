@@ -224,7 +224,8 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def run_engine(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=False):
+                   reference=None, mixed_round_graph=False, adaptive=False):
+        from engine.gamma import GammaController
         from engine.generate import generate
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -233,8 +234,10 @@ class Bench:
 
         max_len = max(len(p) for p in prompts) + new + 16
         gov = SpeculationGovernor(enabled=governor) if governor else None
+        controller = GammaController(gamma) if adaptive else None
         eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
-                           spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph)
+                           spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph,
+                           gamma=controller)
         if drafts:
             for d, draft in drafts.items():
                 eng.add_draft(d, draft)
@@ -251,7 +254,7 @@ class Bench:
 
         if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
             eng.calibrate(prompt=prompts[0])
-        once()  # warm-up: captures the CUDA graphs of every shape this workload meets
+        once()  # warm-up: captures the CUDA graphs of every shape this workload meets (and trains the controllers)
         for _ in range(2):
             # Run 10's bs 8 rows captured 4-5 graphs inside their measured passes although the warm-up pass
             # ran the same requests (likely: a graph's first call runs its step eagerly, a bf16 near-tie
@@ -282,6 +285,8 @@ class Bench:
                "gc_ms_per_pass": round(pauses.seconds * 1000 / self.args.passes, 2), "gc_full": pauses.full}
         if governor:  # what it measured and decided from: seconds per token and sample counts per bucket
             row["governor"] = gov.snapshot()
+        if adaptive:  # rounds per gamma, acceptance survival per draft, round ms per key and gamma
+            row["gamma"] = controller.snapshot()
         if reference is not None and greedy:
             agree = total = 0
             for a, b in zip(row["outs"], reference):
@@ -410,10 +415,20 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
 
 
 def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> None:
-    """The best drafts at each block size, and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
+    """The best drafts at each block size (gamma 5), at each of --gammas (one verify a round), with the adaptive
+    gamma controller (--adaptive-gamma, with and without the governor), and block 5 under the governor;
+    workload = (prompts, domains, new, greedy, bs)."""
     for block in blocks:
         bench.measure(setting, f"FlashSpec best drafts, block {block}{suffix}",
                       lambda: bench.run_engine(*workload, best, block=block, reference=ref))
+    for gamma in bench.args.gammas:
+        bench.measure(setting, f"FlashSpec best drafts, gamma {gamma}{suffix}",
+                      lambda: bench.run_engine(*workload, best, block=gamma, gamma=gamma, reference=ref))
+    if bench.args.adaptive_gamma:
+        bench.measure(setting, f"FlashSpec best drafts, adaptive gamma{suffix}",
+                      lambda: bench.run_engine(*workload, best, block=5, adaptive=True, reference=ref))
+        bench.measure(setting, f"FlashSpec best drafts, adaptive gamma, governor{suffix}",
+                      lambda: bench.run_engine(*workload, best, block=5, adaptive=True, governor=True, reference=ref))
     if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: one drafting graph
         bench.measure(setting, f"FlashSpec best drafts, block 5, one-graph mixed rounds{suffix}",
                       lambda: bench.run_engine(*workload, best, block=5, reference=ref, mixed_round_graph=True))
@@ -592,6 +607,10 @@ def main() -> None:
     parser.add_argument("--hf-modes", default="eager,static,lookup", help="transformers generate rows to run")
     parser.add_argument("--blocks", default="5,2", type=lambda v: tuple(int(b) for b in v.split(",")),
                         help="block sizes of the best-draft rows (the governor row always uses 5)")
+    parser.add_argument("--gammas", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="best-draft rows at these fixed gammas too (block = gamma: one verify a round), e.g. 3")
+    parser.add_argument("--adaptive-gamma", action="store_true",
+                        help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--fused-batch-sizes", default=None, help="fused rows only at these batch sizes (default: all)")
     parser.add_argument("--fused-greedy-only", action="store_true", help="fused rows only for the greedy settings")
     parser.add_argument("--short-prompts", type=int, default=24, help="requests per short (32->20) cell (at least the batch size)")

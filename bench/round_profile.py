@@ -64,7 +64,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     def draft_step(tr, proxy, p):
         ctx = model.context(p[:, None], eng.draft_cache, rows, draft_kv)
         out = draft.adapters_forward(tr, proxy[:, None], ctx)[:, 0]
-        return argmax(draft.head_logits(out)), draft.proxy_feature(out)
+        return draft.predict(out, greedy=True)
 
     def chain():
         tok, proxy, trunks = token[:, 0], torch.zeros(1, hidden, device=dev, dtype=dtype), []

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from drafts.config import DraftConfig
 from engine import cpu_linear
 from engine.model import DecoderLayer, RMSNorm, StepContext, Transformer
+from engine.triton_kernels import argmax
 
 
 class DraftHead(nn.Module):
@@ -70,6 +71,7 @@ class DraftModel(nn.Module):
         self.head = DraftHead(h, k or args.vocab_size, tied=config.head == "mlp_tied")
         # Token ids the head scores (frequency-ranked sub-vocabulary); saved with the draft.
         self.register_buffer("vocab_ids", torch.arange(k) if k else None)
+        self._fused_ops = None  # set by engine.fused.fuse_for_inference: out_norm then runs its compiled RMSNorm
         weight = target.embed_tokens.weight
         self.to(device=weight.device, dtype=weight.dtype)
 
@@ -134,20 +136,41 @@ class DraftModel(nn.Module):
         self.vocab_ids.copy_(token_ids.to(self.vocab_ids))
         self.head._sub_weight = None
 
+    def _norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """out_norm: one compiled kernel once fused for inference (the same arithmetic), else the module."""
+        ops, weight = self._fused_ops, self.out_norm.weight
+        if ops is None or (torch.is_grad_enabled() and weight.requires_grad):
+            return self.out_norm(hidden)
+        return ops.select(1).rms_norm(hidden, weight, self.out_norm.eps)
+
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., K) scores over `vocab_ids` (or (..., V) without a sub-vocabulary)."""
-        return self.head(self.out_norm(hidden), self.target.lm_head, self.vocab_ids)
+        return self.head(self._norm(hidden), self.target.lm_head, self.vocab_ids)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(b, H) -> (b, V) logits; tokens outside the sub-vocabulary get -inf (never drafted)."""
-        scores = self.head_scores(hidden)
+    def _full_logits(self, scores: torch.Tensor) -> torch.Tensor:
         if self.vocab_ids is None:
             return scores
         full = scores.new_full((*scores.shape[:-1], self.target.args.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.vocab_ids, scores)
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(b, H) -> (b, V) logits; tokens outside the sub-vocabulary get -inf (never drafted)."""
+        return self._full_logits(self.head_scores(hidden))
+
     def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.out_norm(hidden)
+        return self._norm(hidden)
+
+    def predict(self, hidden: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft step's outputs from (b, H) adapter outputs, the norm computed once: the greedy token ids (b,)
+        (the argmax over the sub-vocabulary's K scores, mapped to token ids: no (b, V) tensor) or the (b, V)
+        logits, and the proxy feature (b, H) of a deep draft (None otherwise)."""
+        normed = self._norm(hidden)
+        scores = self.head(normed, self.target.lm_head, self.vocab_ids)
+        proxy = normed if self.feature_input == "deep" else None
+        if not greedy:
+            return self._full_logits(scores), proxy
+        token = argmax(scores)
+        return (token if self.vocab_ids is None else self.vocab_ids[token]), proxy
 
     # ----- training ------------------------------------------------------------------------
     def forward_train(self, trunk_hidden: torch.Tensor, features: torch.Tensor | None, input_pos: torch.Tensor):

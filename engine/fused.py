@@ -261,6 +261,8 @@ def fuse_for_inference(module: nn.Module, compile: bool | None = None, *, backen
             m.fuse(ops)
     if isinstance(module, Transformer):
         module._fused_ops = ops  # its forward defers each layer's last residual add into the next norm
+    elif hasattr(module, "_fused_ops"):
+        module._fused_ops = ops  # a draft: its output norm
     return ops
 
 
@@ -271,5 +273,5 @@ def unfuse(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, DecoderLayer):
             m.unfuse()
-    if isinstance(module, Transformer):
+    if isinstance(module, Transformer) or hasattr(module, "_fused_ops"):
         module._fused_ops = None

@@ -9,6 +9,7 @@ end for offline use. Rows are independent: a ragged batch gives each row what it
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from typing import Iterable
 
@@ -17,6 +18,7 @@ import torch
 from engine.cache import KVCache, WindowedKVCache, row_index
 from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
+from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
@@ -41,6 +43,7 @@ class DecodeEngine:
         ar_steps_per_sync: int | None = None,
         mixed_round_graph: bool = False,
         min_admit: int = 1,
+        gamma: GammaController | None = None,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -54,7 +57,9 @@ class DecodeEngine:
         mix of drafts and their row counts; see `engine.speculative._captured_round`).
         min_admit: while rows run, admit waiting requests only once this many rows are free (or every
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
-        few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others."""
+        few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.
+        gamma: picks each round's drafted tokens (1 .. spec.num_speculative_tokens) from measured acceptance
+        and round costs (`engine.gamma`); default: every round drafts spec.num_speculative_tokens."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit
@@ -82,6 +87,10 @@ class DecodeEngine:
         self.slots: list[SlotState | None] = [None] * max_batch_size
         self.waiting: collections.deque[Request] = collections.deque()
         self.governor = governor or SpeculationGovernor(enabled=False)
+        if gamma is not None and gamma.max_gamma != self.spec.num_speculative_tokens:
+            raise ValueError(f"the gamma controller's max_gamma ({gamma.max_gamma}) must be the engine's "
+                             f"num_speculative_tokens ({self.spec.num_speculative_tokens})")
+        self.gamma = gamma or GammaController(self.spec.num_speculative_tokens, enabled=False)
         # Deep-feature drafts: the target's final hidden states of the last round, per cache row.
         hidden = model.args.hidden_size
         self._deep_ready = False
@@ -194,9 +203,10 @@ class DecodeEngine:
 
         For every batch-size bucket: full buckets (rows 0..b-1) and padded ones (b-1 rows), each as
         plain decoding, with each loaded draft, and with the drafts mixed in one batch, over sequences
-        up to `max_len` tokens (longer ones capture their KV-length buckets on first use). The
-        governor is left out (its cost figures come from real traffic). Returns the graphs captured;
-        without graphs it does nothing.
+        up to `max_len` tokens (longer ones capture their KV-length buckets on first use); with the
+        adaptive gamma controller, the speculative mixes once per gamma. The governor and the gamma
+        controller learn nothing from it (their figures come from real traffic). Returns the graphs
+        captured; without graphs it does nothing.
         """
         from engine.generate import generate
         from engine.sampling import SamplingParams
@@ -212,6 +222,7 @@ class DecodeEngine:
         names = sorted(self.drafts)
         mixes = [[None], *([n] for n in names)] + ([[None, *names]] if names else [])
         buckets = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        gammas = list(self.gamma.gammas) if self.gamma.enabled else [None]
         governor, self.governor = self.governor, SpeculationGovernor(enabled=False)
         try:
             for b in buckets:
@@ -219,9 +230,12 @@ class DecodeEngine:
                 for n in sizes:
                     prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)] for i in range(n)]
                     for mix in mixes:
-                        generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(n)])
+                        for gamma in (gammas if mix != [None] else [None]):
+                            self.gamma.forced = gamma
+                            generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(n)])
         finally:
             self.governor = governor
+            self.gamma.forced = None
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
         return self.graphs.captures - before
@@ -255,7 +269,19 @@ class DecodeEngine:
             ar_tokens = sum(len(t) for t in new)
         t1 = time.perf_counter()
         if spec_rows:
-            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
+            names = [s.request.draft or "" for s in spec_rows]
+            key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
+                   all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
+            # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
+            seeded = any(not s.request.params.greedy and s.request.params.seed is not None for s in spec_rows)
+            gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
+            spec = self.spec if gamma == self.spec.num_speculative_tokens else dataclasses.replace(
+                self.spec, num_speculative_tokens=gamma)
+            cold_round = self._cold_events()
+            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec)
+            clean = self._cold_events() == cold_round
+            self.gamma.observe(key, gamma, time.perf_counter() - t1 if clean else None,
+                               list(zip(names, result.num_accepted, result.drafted)))
         if running and self._cold_events() == cold:
             now = time.perf_counter()
             if spec_rows:
@@ -528,8 +554,10 @@ class DecodeEngine:
             outs = self.run_graph(("target", layers.start, layers.stop, kv_len, capture), fn, rows, inputs)
         return (*outs[:3], tuple(outs[3:]))
 
-    def run_draft(self, draft, trunk_hidden, features, input_pos, rows, kv_len: int, pick=None, with_head: bool = True):
-        """Adapters (+ head) of one draft -> (out (g, H), logits (g, V) or None, proxy feature (g, H) or None).
+    def run_draft(self, draft, trunk_hidden, features, input_pos, rows, kv_len: int, pick=None, with_head: bool = True,
+                  greedy: bool = False):
+        """Adapters (+ head) of one draft -> (out (g, H), its greedy tokens (g,) if greedy else its logits (g, V),
+        or None without the head, proxy feature (g, H) or None).
 
         trunk_hidden/features (g, T, H) at input_pos (g, T); `pick` (g,) selects one position per row
         for the head (None: T must be 1).
@@ -546,8 +574,7 @@ class DecodeEngine:
                 out = out[torch.arange(out.shape[0], device=out.device), pick]
             if not with_head:
                 return out, None, None
-            proxy = draft.proxy_feature(out) if draft.feature_input == "deep" else None
-            return out, draft.head_logits(out), proxy
+            return out, *draft.predict(out, greedy)
 
         inputs = {"trunk_hidden": trunk_hidden, "input_pos": input_pos}
         if features is not None:
@@ -556,7 +583,7 @@ class DecodeEngine:
             inputs["pick"] = pick
         if not self.graphs.enabled:
             return fn(**inputs)
-        return self.run_graph(("draft", kv_len, with_head), fn, rows, inputs, owners=(id(draft),))
+        return self.run_graph(("draft", kv_len, with_head, greedy), fn, rows, inputs, owners=(id(draft),))
 
     # ----- deep-feature bookkeeping (used by spec_round) -----------------------------------
     def deep_window(self, rows: torch.Tensor, trunk_t0: torch.Tensor, pos0: torch.Tensor):

@@ -46,12 +46,9 @@ class Draft(Protocol):
         """Adapter layers on (b, T, H) trunk hidden states (+ (b, T, H) features); writes adapter KV via ctx."""
         ...
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(b, H) adapter output -> (b, V) draft logits."""
-        ...
-
-    def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(b, H) adapter output -> (b, H) stand-in for the target's feature (deep drafts)."""
+    def predict(self, hidden: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(b, H) adapter output -> (the draft's greedy token ids (b,) if greedy, else its logits (b, V); for deep
+        drafts the (b, H) stand-in for the target's feature at the next step, else None)."""
         ...
 
     def target_features(self, final: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
@@ -157,21 +154,32 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
 
     proxy = torch.zeros(b, model.args.hidden_size, device=device, dtype=eng.dtype)
 
+    # Greedy rounds take the drafts' tokens straight from their heads, unless drafting may stop early (it
+    # reads the draft's probabilities).
+    draft_greedy = greedy and cfg.draft_confidence == 0
+
     def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
-        """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,)."""
+        """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,):
+        -> (trunk (b, 1, H), the drafted tokens (b,) when draft_greedy else the draft logits (b, V))."""
         trunk, _, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
-        logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype) if with_head else None
+        if not with_head:
+            logits = None
+        elif draft_greedy:
+            logits = torch.empty(b, dtype=torch.long, device=device)
+        else:
+            logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype)
         for draft, idx, g_rows in groups.items:
             if not with_head and draft.feature_input == "deep":
                 continue  # the next round's window rewrites this position's adapter KV anyway
             if draft.feature_input == "deep" and first:
                 # Re-run the adapters over last round's verified tokens with the target's true features.
                 window, feats, index, win_pos = eng.deep_window(rows_t[idx], trunk[idx, 0], pos0[idx])
-                out, g_logits, g_proxy = eng.run_draft(draft, window, feats, win_pos, g_rows, kv_len, pick=index)
+                out, g_logits, g_proxy = eng.run_draft(draft, window, feats, win_pos, g_rows, kv_len, pick=index,
+                                                       greedy=draft_greedy)
             else:
                 feats = proxy[idx, None] if draft.feature_input == "deep" else None
                 out, g_logits, g_proxy = eng.run_draft(draft, trunk[idx], feats, positions[idx, None], g_rows, kv_len,
-                                                       with_head=with_head)
+                                                       with_head=with_head, greedy=draft_greedy)
             if not with_head:
                 continue  # last token of the round: its adapter KV is needed, its prediction is not
             logits[idx] = g_logits.to(logits.dtype)
@@ -205,7 +213,9 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                 if not bool((confident & ~done).any()):
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break
-            if greedy:
+            if draft_greedy:
+                token, probs = draft_logits, None  # the heads' own greedy tokens
+            elif greedy:
                 token = argmax(draft_logits)
                 probs = None
             else:
@@ -363,15 +373,16 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
                     out = draft.adapters_forward(trunk[a:z], proxies[g][:, None] if deep else None, ctx)[:, 0]
                 if j == gamma:
                     continue  # last token: adapter KV written, no prediction needed
-                next_tokens.append(draft.head_logits(out))
+                prediction, proxy = draft.predict(out, greedy)  # greedy: token ids; else logits
+                next_tokens.append(prediction)
                 if deep:
-                    proxies[g] = draft.proxy_feature(out)
+                    proxies[g] = proxy
             if j == gamma:
                 break
-            logits = torch.cat(next_tokens)  # (bucket, V)
             if greedy:
-                tokens = argmax(logits)
+                tokens = torch.cat(next_tokens)  # (bucket,)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
+                logits = torch.cat(next_tokens)  # (bucket, V)
                 probs = processed_probs(logits, draft_temperature, top_k, top_p, filtered)
                 tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))
                 draft_probs.append(probs)

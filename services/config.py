@@ -35,6 +35,11 @@ class AppArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none.")
     num_speculative_tokens: int = Field(5, ge=1, le=16, description="Draft tokens per FlashSpec round (gamma).")
     block_size: int = Field(5, ge=1, le=16, description="Drafted tokens verified together (= gamma: one verify pass per round, measured fastest on CPU and GPU; 2 is the write-up's block-wise schedule).")
+    adaptive_gamma: bool = Field(
+        True, description="Pick each round's gamma (1 to num_speculative_tokens) for the most tokens a second, from "
+                          "the drafts' measured acceptance by position and the measured round costs (engine.gamma); "
+                          "false: every round drafts num_speculative_tokens. Lossless either way; rounds with a seeded sampled "
+                          "request keep num_speculative_tokens, so the same seed repeats its tokens.")
     draft_confidence: float = Field(
         0.0, ge=0.0, lt=1.0, description="Stop drafting a round early once no running request's draft gives its next "
                                          "token this probability (0: always draft num_speculative_tokens). Lossless "

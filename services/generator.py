@@ -69,6 +69,7 @@ class GeneratorCore:
 
     # ----- start-up ------------------------------------------------------------------------
     def _load(self) -> None:
+        from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.loading import load_model
         from engine.scheduler import DecodeEngine
@@ -89,7 +90,8 @@ class GeneratorCore:
                               draft_confidence=self.args.draft_confidence)
             engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
                                   max_seq_len=self.args.max_seq_len, spec=spec,
-                                  governor=SpeculationGovernor(enabled=self.args.governor))
+                                  governor=SpeculationGovernor(enabled=self.args.governor),
+                                  gamma=GammaController(spec.num_speculative_tokens, enabled=self.args.adaptive_gamma))
             if self.args.governor:
                 engine.calibrate()  # the governor's plain-decoding cost before the first request
         except Exception as exc:  # the replica fails to start and Serve reports why

@@ -383,8 +383,8 @@ def exact_joint(model, temperature: float, top_p: float) -> torch.Tensor:
     return joint.view(V, V, V)
 
 
-def sampled_tokens(model, draft, temperature, top_p, n, spec=SpecConfig(3, 2), batch=500) -> torch.Tensor:
-    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec)
+def sampled_tokens(model, draft, temperature, top_p, n, spec=SpecConfig(3, 2), batch=500, gamma=None) -> torch.Tensor:
+    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec, gamma=gamma)
     eng.add_draft("d", draft)
     params = [SamplingParams(max_new_tokens=K, temperature=temperature, top_p=top_p, seed=i, eos_token_ids=())
               for i in range(n)]
@@ -421,6 +421,21 @@ def test_sampling_is_lossless(small, temperature, top_p):
     assert joint < joint_max, joint
     # The draft really disagrees with the target (else the check would be vacuous).
     assert _draft_target_tv(model, draft, temperature, top_p) > 0.1
+
+
+def test_sampling_is_lossless_with_adaptive_gamma(small):
+    """Rounds of different gammas (the controller cycles through 1-3 and then picks by measured rates)."""
+    from engine.gamma import GammaController
+
+    model, draft = small
+    n = 20000
+    ctl = GammaController(3, min_rounds=4, explore_every=2)
+    tokens = sampled_tokens(model, draft, 1.0, 1.0, n, gamma=ctl)
+    assert len(ctl.chosen) == 3, ctl.chosen
+    per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint
 
 
 def _draft_target_tv(model, draft, temperature, top_p) -> float:

@@ -1,0 +1,171 @@
+"""Adaptive gamma: each speculative round drafts the number of tokens expected to give the most tokens a second.
+
+A round that drafts gamma tokens makes 1 + S(1) + ... + S(gamma) tokens on average, S(k) the probability
+that the first k drafted tokens are all accepted; it costs one draft step and one verified token more per
+drafted token. Where a draft step is dear against the verify pass (a small target whose steps are bound by
+kernel launches: on the H200 a drafted token costs about a fifth of a decode step), the last drafted tokens,
+accepted only a fifth of the time, cost more than they bring, and a smaller gamma is faster; where it is
+cheap, a larger one is. Which gamma is best depends on the hardware, the batch size, the draft and the text,
+so it is measured, not configured:
+
+* Acceptance, per draft: how often position k was reached (the k - 1 tokens before it accepted, k <= the
+  round's gamma) and how often it was accepted, as decayed counts over about 1/alpha rows. A round of gamma
+  g shows every position up to g, so S at every smaller gamma follows from rounds at a larger one (greedy:
+  the very tokens that smaller round would have made); p_k = accepted_k / reached_k leans on p_(k-1) while
+  position k has few samples, and S(k) = p_1 ... p_k.
+* Cost, per (batch-size bucket, number of drafts in the batch, greedy or sampled): the round's seconds at
+  each gamma (moving averages), and a straight line through them by least squares, which stands in for a
+  gamma not measured lately.
+* Each round takes the gamma with the most expected tokens per predicted second. Until every gamma of a
+  key has `min_rounds` cost samples, rounds cycle through them; after that every `explore_every`-th round
+  runs the next gamma of that cycle, so every cost and the far positions' acceptance stay current.
+
+Lossless whatever it picks: which tokens are drafted never changes what is accepted. Greedy output stays
+identical and sampled output keeps its distribution; but a sampled request's tokens depend on the gammas
+its rounds took, so `DecodeEngine` runs rounds holding a seeded sampled request at the full gamma (the same
+seed then gives the same tokens again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    reached: list[float]  # index k - 1: decayed count of rows whose round reached position k
+    accepted: list[float]  # ... and accepted the token there
+
+    def survival(self, prior: float, shrink: float) -> list[float]:
+        """S(1..G): the probability that the first k drafted tokens are all accepted."""
+        out, p, s = [], prior, 1.0
+        for reached, accepted in zip(self.reached, self.accepted):
+            p = (accepted + shrink * p) / (reached + shrink)  # few samples at k: close to p at k - 1
+            s *= p
+            out.append(s)
+        return out
+
+
+@dataclasses.dataclass
+class _Cost:
+    seconds: float = 0.0
+    count: int = 0
+
+    def update(self, seconds: float, alpha: float) -> None:
+        self.count += 1
+        self.seconds += max(alpha, 1.0 / self.count) * (seconds - self.seconds)
+
+
+class GammaController:
+    def __init__(self, max_gamma: int, enabled: bool = True, alpha: float = 0.01, cost_alpha: float = 0.05,
+                 min_rounds: int = 2, explore_every: int = 16, min_gamma: int = 1, prior: float = 0.5,
+                 shrink: float = 2.0) -> None:
+        """max_gamma: the engine's num_speculative_tokens (its caches and margins are sized for it).
+        alpha: acceptance counts decay by 1 - alpha a row (about 1/alpha rows remembered); cost_alpha: the
+        cost averages' weight of a new round (a plain mean of the first 1/cost_alpha).
+        min_rounds / explore_every: the cycle through all gammas of a new key, then one round in
+        explore_every. prior / shrink: p_1 with no samples, and the pseudo-count pulling p_k to p_(k-1)."""
+        if not 1 <= min_gamma <= max_gamma:
+            raise ValueError(f"need 1 <= min_gamma <= max_gamma, got {min_gamma} and {max_gamma}")
+        if explore_every < 2:
+            raise ValueError(f"explore_every must be >= 2, got {explore_every}")
+        self.enabled = enabled
+        self.max_gamma, self.min_gamma = max_gamma, min_gamma
+        self.alpha, self.cost_alpha = alpha, cost_alpha
+        self.min_rounds, self.explore_every = min_rounds, explore_every
+        self.prior, self.shrink = prior, shrink
+        self.forced: int | None = None  # every round at this gamma (DecodeEngine.warmup captures each one's graphs)
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._costs: dict[tuple, dict[int, _Cost]] = {}
+        self._rounds: dict[tuple, int] = {}
+        self.chosen: dict[int, int] = {}  # gamma -> rounds that ran it
+        self._lock = threading.Lock()
+
+    @property
+    def gammas(self) -> range:
+        return range(self.min_gamma, self.max_gamma + 1)
+
+    # ----- estimates ---------------------------------------------------------------------------
+    def survival(self, draft: str) -> list[float]:
+        """S(1..max_gamma) for this draft (the prior alone before any round of it)."""
+        acc = self._acceptance.get(draft) or _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
+        return acc.survival(self.prior, self.shrink)
+
+    def expected_tokens(self, drafts: list[str], gamma: int) -> float:
+        """Tokens a round at gamma makes on average, summed over the batch's rows (one draft name each)."""
+        counts: dict[str, int] = {}
+        for name in drafts:
+            counts[name] = counts.get(name, 0) + 1
+        return sum(n * (1.0 + sum(self.survival(name)[:gamma])) for name, n in counts.items())
+
+    def cost(self, key: tuple, gamma: int) -> float | None:
+        """Predicted seconds of a round at gamma: the least-squares line through the measured gammas' average
+        seconds (weighted by their sample counts, up to 1/cost_alpha); None before any sample. With one
+        gamma measured, its own average."""
+        costs = {g: c for g, c in self._costs.get(key, {}).items() if c.count}
+        if not costs:
+            return None
+        if len(costs) == 1:
+            return next(iter(costs.values())).seconds
+        cap = 1.0 / self.cost_alpha
+        w = {g: min(c.count, cap) for g, c in costs.items()}
+        sw = sum(w.values())
+        mg = sum(w[g] * g for g in costs) / sw
+        ms = sum(w[g] * c.seconds for g, c in costs.items()) / sw
+        var = sum(w[g] * (g - mg) ** 2 for g in costs)
+        slope = sum(w[g] * (g - mg) * (c.seconds - ms) for g, c in costs.items()) / var
+        return max(ms + slope * (gamma - mg), 1e-9)
+
+    # ----- decisions ---------------------------------------------------------------------------
+    def choose(self, drafts: list[str], key: tuple) -> int:
+        """The gamma of the next round for a batch whose rows use these drafts (names, one per row); `key`
+        says what its cost depends on (DecodeEngine: batch bucket, drafts in the batch, greedy)."""
+        if self.forced is not None:
+            return max(self.min_gamma, min(self.forced, self.max_gamma))
+        if not self.enabled or self.min_gamma == self.max_gamma:
+            return self.max_gamma
+        with self._lock:
+            n = self._rounds.get(key, 0)
+            self._rounds[key] = n + 1
+            costs = self._costs.get(key, {})
+            cycle = list(self.gammas)
+            unmeasured = [g for g in cycle if costs.get(g, _Cost()).count < self.min_rounds]
+            if unmeasured:
+                gamma = cycle[n % len(cycle)] if cycle[n % len(cycle)] in unmeasured else unmeasured[0]
+            elif n % self.explore_every == self.explore_every - 1:
+                gamma = cycle[(n // self.explore_every) % len(cycle)]
+            else:
+                gamma = max(cycle, key=lambda g: self.expected_tokens(drafts, g) / self.cost(key, g))
+            self.chosen[gamma] = self.chosen.get(gamma, 0) + 1
+            return gamma
+
+    def observe(self, key: tuple, gamma: int, seconds: float | None, rows: list[tuple[str, int, int]]) -> None:
+        """A round at `gamma` took `seconds` (None: not a clean sample, e.g. it captured a graph); rows: per
+        row (draft name, tokens accepted, tokens drafted for it before its round ended)."""
+        if not self.enabled or self.forced is not None:
+            return  # forced rounds (warm-up) are no sample of real traffic
+        with self._lock:
+            keep = 1.0 - self.alpha
+            for name, accepted, drafted in rows:
+                acc = self._acceptance.get(name)
+                if acc is None:
+                    acc = self._acceptance[name] = _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
+                for k in range(self.max_gamma):
+                    acc.reached[k] *= keep
+                    acc.accepted[k] *= keep
+                for k in range(min(accepted + 1, drafted, self.max_gamma)):
+                    acc.reached[k] += 1.0
+                for k in range(min(accepted, self.max_gamma)):
+                    acc.accepted[k] += 1.0
+            if seconds is not None:
+                self._costs.setdefault(key, {}).setdefault(gamma, _Cost()).update(seconds, self.cost_alpha)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "chosen": dict(sorted(self.chosen.items())),
+                "survival": {name: [round(s, 3) for s in self.survival(name)] for name in sorted(self._acceptance)},
+                "round_ms": {str(key): {g: round(c.seconds * 1e3, 3) for g, c in sorted(costs.items())}
+                             for key, costs in self._costs.items()},
+            }
