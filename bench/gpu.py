@@ -234,7 +234,7 @@ class Bench:
 
         max_len = max(len(p) for p in prompts) + new + 16
         gov = SpeculationGovernor(enabled=governor) if governor else None
-        controller = GammaController(gamma) if adaptive else None
+        controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
         eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
                            spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph,
                            gamma=controller)
@@ -611,6 +611,9 @@ def main() -> None:
                         help="best-draft rows at these fixed gammas too (block = gamma: one verify a round), e.g. 3")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
+    parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),
+                        help="'ar': of the engine's unfused rows only plain decoding (the FlashSpec rows then run on "
+                             "the fused path alone, with --fused)")
     parser.add_argument("--fused-batch-sizes", default=None, help="fused rows only at these batch sizes (default: all)")
     parser.add_argument("--fused-greedy-only", action="store_true", help="fused rows only for the greedy settings")
     parser.add_argument("--short-prompts", type=int, default=24, help="requests per short (32->20) cell (at least the batch size)")
@@ -654,7 +657,7 @@ def main() -> None:
                           lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
             bench.measure(setting, "FlashSpec seed-default shape, block gamma",
                           lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
-        if best:
+        if best and args.unfused_rows == "all":
             best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, blocks=args.blocks)
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")

@@ -60,12 +60,14 @@ class _Cost:
 class GammaController:
     def __init__(self, max_gamma: int, enabled: bool = True, alpha: float = 0.01, cost_alpha: float = 0.05,
                  min_rounds: int = 2, explore_every: int = 16, min_gamma: int = 1, prior: float = 0.5,
-                 shrink: float = 2.0) -> None:
+                 shrink: float = 2.0, pin_seeded: bool = True) -> None:
         """max_gamma: the engine's num_speculative_tokens (its caches and margins are sized for it).
         alpha: acceptance counts decay by 1 - alpha a row (about 1/alpha rows remembered); cost_alpha: the
         cost averages' weight of a new round (a plain mean of the first 1/cost_alpha).
         min_rounds / explore_every: the cycle through all gammas of a new key, then one round in
-        explore_every. prior / shrink: p_1 with no samples, and the pseudo-count pulling p_k to p_(k-1)."""
+        explore_every. prior / shrink: p_1 with no samples, and the pseudo-count pulling p_k to p_(k-1).
+        pin_seeded: rounds holding a seeded sampled request run max_gamma (DecodeEngine reads it); False
+        adapts them too (a benchmark's seeds fix its prompts' draws, not a promise of repeated tokens)."""
         if not 1 <= min_gamma <= max_gamma:
             raise ValueError(f"need 1 <= min_gamma <= max_gamma, got {min_gamma} and {max_gamma}")
         if explore_every < 2:
@@ -75,6 +77,7 @@ class GammaController:
         self.alpha, self.cost_alpha = alpha, cost_alpha
         self.min_rounds, self.explore_every = min_rounds, explore_every
         self.prior, self.shrink = prior, shrink
+        self.pin_seeded = pin_seeded
         self.forced: int | None = None  # every round at this gamma (DecodeEngine.warmup captures each one's graphs)
         self._acceptance: dict[str, _Acceptance] = {}
         self._costs: dict[tuple, dict[int, _Cost]] = {}

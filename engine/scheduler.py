@@ -273,7 +273,8 @@ class DecodeEngine:
             key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
                    all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
             # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
-            seeded = any(not s.request.params.greedy and s.request.params.seed is not None for s in spec_rows)
+            seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
+                                                   for s in spec_rows)
             gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
             spec = self.spec if gamma == self.spec.num_speculative_tokens else dataclasses.replace(
                 self.spec, num_speculative_tokens=gamma)

@@ -189,3 +189,8 @@ def test_engine_keeps_the_full_gamma_for_seeded_sampled_requests(tiny_target):
             assert ctl.chosen == {}  # seeded: every round at the full gamma
             outs.setdefault(seed, []).append([r.token_ids for r in out])
     assert outs[11][0] == outs[11][1]
+    ctl = GammaController(4, min_rounds=1, explore_every=2, pin_seeded=False)
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(4, 4), gamma=ctl)
+    eng.add_draft("d", draft)
+    generate(eng, prompts_for(target.args.vocab_size, (5, 17)), params, draft="d")
+    assert len(ctl.chosen) > 1  # not pinned: seeded rounds adapt too

@@ -44,6 +44,35 @@ def test_graphs_match_eager(feature, block):
     assert outs[(True, "spec")] == outs[(False, "spec")] == outs[(False, "ar")]
 
 
+@pytest.mark.parametrize("head_vocab", [None, 64])
+def test_adaptive_gamma_graphs_match_plain_decoding(head_vocab):
+    """Captured rounds of every gamma (one graph each), fused and compiled: greedy output is plain decoding's."""
+    from engine.gamma import GammaController
+
+    target = tiny_target(torch.float32)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input="deep",
+                                           head_vocab=head_vocab))
+    draft.init_from_target()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    target.fuse_for_inference(compile=True)
+    try:
+        from engine.fused import fuse_for_inference
+
+        fuse_for_inference(draft, compile=True)
+        ar = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128, cuda_graphs=False)
+        expected = [r.token_ids for r in generate(ar, prompts, params)]
+        ctl = GammaController(5, min_rounds=1, explore_every=2)
+        eng = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), gamma=ctl)
+        eng.add_draft("d", draft)
+        got = [r.token_ids for r in generate(eng, prompts, params, "d")]
+    finally:
+        target.unfuse_for_inference()
+    assert got == expected
+    assert len(ctl.chosen) == 5, ctl.chosen
+    assert len({k[3] for k in eng.graphs.graphs if k[0] == "greedy-round"}) == 5
+
+
 @pytest.mark.parametrize("feature", ["none", "deep"])
 def test_sampled_graphs_match_eager(feature):
     """T=1 rows: the one-graph sampled round (block == gamma) and the multi-step sampled plain decoding
