@@ -51,10 +51,9 @@ def run_mode(loaded, drafts: dict, prompts: list, mode: str, clients: int, secon
     rounds = []
     original = scheduler.spec_round
 
-    def counting(engine, slots, slot_drafts, cfg, count=1):
-        results = original(engine, slots, slot_drafts, cfg, count)
-        rounds.extend(len(slots) for _ in results)
-        return results
+    def counting(engine, slots, slot_drafts, cfg):
+        rounds.append(len(slots))
+        return original(engine, slots, slot_drafts, cfg)
 
     params = SamplingParams(max_new_tokens=max_tokens)
     sent = 0

@@ -224,7 +224,7 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def run_engine(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=False, adaptive=False, rounds_per_sync=None):
+                   reference=None, mixed_round_graph=False, adaptive=False):
         from engine.gamma import GammaController
         from engine.generate import generate
         from engine.governor import SpeculationGovernor
@@ -237,7 +237,7 @@ class Bench:
         controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
         eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
                            spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph,
-                           gamma=controller, spec_rounds_per_sync=rounds_per_sync)
+                           gamma=controller)
         if drafts:
             for d, draft in drafts.items():
                 eng.add_draft(d, draft)
@@ -416,8 +416,8 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
 
 def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> None:
     """The best drafts at each block size (gamma 5), at each of --gammas (one verify a round), with the adaptive
-    gamma controller (--adaptive-gamma: alone, with one round a host sync instead of the engine's default, and
-    with the governor), and block 5 under the governor; workload = (prompts, domains, new, greedy, bs)."""
+    gamma controller (--adaptive-gamma, with and without the governor), and block 5 under the governor;
+    workload = (prompts, domains, new, greedy, bs)."""
     for block in blocks:
         bench.measure(setting, f"FlashSpec best drafts, block {block}{suffix}",
                       lambda: bench.run_engine(*workload, best, block=block, reference=ref))
@@ -427,8 +427,6 @@ def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suff
     if bench.args.adaptive_gamma:
         bench.measure(setting, f"FlashSpec best drafts, adaptive gamma{suffix}",
                       lambda: bench.run_engine(*workload, best, block=5, adaptive=True, reference=ref))
-        bench.measure(setting, f"FlashSpec best drafts, adaptive gamma, 1 round a sync{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=5, adaptive=True, reference=ref, rounds_per_sync=1))
         bench.measure(setting, f"FlashSpec best drafts, adaptive gamma, governor{suffix}",
                       lambda: bench.run_engine(*workload, best, block=5, adaptive=True, governor=True, reference=ref))
     if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: one drafting graph

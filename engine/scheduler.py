@@ -44,7 +44,6 @@ class DecodeEngine:
         mixed_round_graph: bool = False,
         min_admit: int = 1,
         gamma: GammaController | None = None,
-        spec_rounds_per_sync: int | None = None,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -59,9 +58,6 @@ class DecodeEngine:
         min_admit: while rows run, admit waiting requests only once this many rows are free (or every
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.
-        spec_rounds_per_sync: speculative rounds run back to back on the device before the host looks at their
-        tokens (default 1 on CPU, 4 on CUDA), where the one-graph round runs and every row has room for that
-        many full rounds within max_new_tokens and the context (tokens past an EOS or stop string are dropped).
         gamma: picks each round's drafted tokens (1 .. spec.num_speculative_tokens) from measured acceptance
         and round costs (`engine.gamma`); default: every round drafts spec.num_speculative_tokens."""
         if min_admit < 1:
@@ -85,7 +81,6 @@ class DecodeEngine:
         self.dtype = weight.dtype
         self.mixed_round_graph = mixed_round_graph
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
-        self.spec_rounds_per_sync = spec_rounds_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
         self.draft_cache: KVCache | None = None
@@ -283,25 +278,18 @@ class DecodeEngine:
             gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
             spec = self.spec if gamma == self.spec.num_speculative_tokens else dataclasses.replace(
                 self.spec, num_speculative_tokens=gamma)
-            rounds = self.spec_rounds_per_sync
-            room = min(min(s.request.params.max_new_tokens - len(s.output_ids), self.max_seq_len - 1 - s.length)
-                       for s in spec_rows)
-            if room < rounds * (gamma + 1):
-                rounds = 1  # one graph per round count: the full count or one round
             cold_round = self._cold_events()
-            results = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec, rounds)
+            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec)
             clean = self._cold_events() == cold_round
-            each = (time.perf_counter() - t1) / len(results) if clean else None
-            for result in results:
-                self.gamma.observe(key, gamma, each, list(zip(names, result.num_accepted, result.drafted)))
+            self.gamma.observe(key, gamma, time.perf_counter() - t1 if clean else None,
+                               list(zip(names, result.num_accepted, result.drafted)))
         if running and self._cold_events() == cold:
             now = time.perf_counter()
             if spec_rows:
                 seconds = self.governor.spec_step_seconds(len(running), now - t0, now - t1, ar_tokens)
                 if seconds is not None:
-                    made = sum(len(t) for result in results for t in result.tokens)
                     for name in {s.request.draft for s in spec_rows}:
-                        self.governor.observe_spec(name or "", len(running), seconds, made)
+                        self.governor.observe_spec(name or "", len(running), seconds, sum(map(len, result.tokens)))
             elif full:
                 self.governor.observe_ar(len(running), now - t0, ar_tokens)
         if ar_rows:
@@ -310,20 +298,9 @@ class DecodeEngine:
                 outputs.append(self._commit(s, toks))
         if spec_rows:
             for i, s in enumerate(spec_rows):
-                tokens = [t for result in results for t in result.tokens[i]]
-                out = self._commit(s, tokens)
-                # Stats of the rounds up to the one that stopped the request (an EOS or a stop string may end
-                # an early round of several; the room check keeps length limits out of them).
-                limit, made = (len(out.token_ids) + 1 if out.finished else len(tokens)), 0
-                for result in results:
-                    if made >= limit:
-                        break
-                    s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
-                    made += result.num_accepted[i] + 1
-                if out.stats is None:  # the request's first rounds: committed before they were counted
-                    out = dataclasses.replace(out, stats=s.stats, draft=s.request.draft)
-                s.length += len(tokens)
-                outputs.append(out)
+                s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
+                s.length += result.num_accepted[i] + 1
+                outputs.append(self._commit(s, result.tokens[i]))
                 if (self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
                         and not self.governor.keep_speculating(s.request.draft or "", len(running))):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on

@@ -123,26 +123,14 @@ class _Groups:
             self.items.append((by_id[key], torch.tensor(idx, device=device), row_index([slots[i] for i in idx], device)))
 
 
-def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig, rounds: int = 1) -> list[RoundResult]:
-    """Draft-and-verify rounds for the given slot states (all with a draft), in order. Mutates the caches.
-
-    `rounds` > 1: that many rounds back to back on the device, each starting where the one before ended,
-    with one host transfer for all (the one-graph GPU path; elsewhere one round runs). The caller makes
-    sure every row has room for rounds * (gamma + 1) more tokens; tokens past a row's stop are its to drop.
-    """
+def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig) -> RoundResult:
+    """One draft-and-verify round for the given slot states (all with a draft). Mutates the caches."""
     greedy = all(s.request.params.greedy for s in slots)
     gamma = cfg.num_speculative_tokens
+    kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
     single = all(d is drafts[0] for d in drafts)
     if eng.graphs.enabled and len(cfg.blocks()) == 1 and (single or eng.mixed_round_graph):
-        kv_len = max(s.length for s in slots) + rounds * (gamma + 1) + 1  # from the host's lengths: no device sync
-        return _captured_round(eng, slots, drafts, gamma, kv_len, greedy, rounds)
-    return [_round(eng, slots, drafts, cfg, greedy)]
-
-
-def _round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig, greedy: bool) -> RoundResult:
-    """One round of the general loop: blocks verified as they are drafted, early stops, any mix of drafts."""
-    gamma = cfg.num_speculative_tokens
-    kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
+        return _captured_round(eng, slots, drafts, gamma, kv_len, greedy)
 
     model = eng.model
     device = eng.device
@@ -305,20 +293,16 @@ def _round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfi
 
 
 def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int,
-                    greedy: bool, rounds: int = 1) -> list[RoundResult]:
+                    greedy: bool) -> RoundResult:
     """The GPU fast path for rounds with one verify per round (block_size >= gamma).
 
     The whole round (gamma + 1 trunk steps, every draft's adapters and head, the drafted tokens, the
     verify pass, the accepted prefix, the deep features for the next round) is one CUDA graph: the host
-    sees only the round's result, in one transfer. With `rounds` > 1 the graph runs that many rounds in a
-    row, each round's next token and position fed to the next on the device, and the host sees them all
-    in one transfer (as `ar_steps_per_sync` plain steps do): the GPU does not wait for the host between
-    them. Greedy rows take argmaxes and the longest matching
+    sees only the round's result, in one transfer. Greedy rows take argmaxes and the longest matching
     prefix. Otherwise rows sample: their temperature, top-k, top-p and random-stream state are graph
     inputs, the draft samples and the rejection sampler draw from the streams on the device (the same
-    draws, in the same order, as the general loop: same tokens; round r starts r * (2 * gamma + 1) draws
-    in), and the host advances each stream by 2 * gamma + 1 draws a round afterwards. `draft_confidence`
-    does not apply here.
+    draws, in the same order, as the general loop: same tokens), and the host advances each stream by
+    the round's 2 * gamma + 1 draws afterwards. `draft_confidence` does not apply here.
 
     Rows are ordered by draft, so each draft runs on one contiguous part of the batch; scattered cache
     rows run padded to a batch-size bucket with the rows as a graph input (`DecodeEngine.run_graph`).
@@ -362,14 +346,6 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     groups[-1] = (last, g0, eng.batch_bucket(b))  # rows padded to the bucket (if any) join the last group
 
     def round_all(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
-        out = []
-        for r in range(rounds):
-            packed = one_round(pending, pos0, rows, state, temperature, draft_temperature, top_k, top_p, r * (2 * gamma + 1))
-            out.append(packed)
-            pending, pos0 = packed[:, 1], pos0 + packed[:, 0] + 1  # the next round starts after this one's tokens
-        return (torch.stack(out, dim=1),)  # (bucket, rounds, 2 + gamma)
-
-    def one_round(pending, pos0, rows, state, temperature, draft_temperature, top_k, top_p, draws):
         # Cache rows: the constant slice 0..b-1 or the (padded) rows input; as a tensor for the deep buffers.
         rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=pos0.device)
         tokens, trunks, drafted, draft_probs = pending, [], [], []
@@ -408,7 +384,7 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
                 logits = torch.cat(next_tokens)  # (bucket, V)
                 probs = processed_probs(logits, draft_temperature, top_k, top_p, filtered)
-                tokens = sample_with(probs, uniform_at(state, draws + j, (probs.shape[0],)))
+                tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))
                 draft_probs.append(probs)
             drafted.append(tokens)
         drafted, trunks = torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
@@ -421,26 +397,23 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
             res = verify_greedy(drafted, out.logits)
         else:
             target_probs = processed_probs(out.logits, temperature, top_k, top_p, filtered)
-            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, state=state, offset=draws + gamma)
+            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, state=state, offset=gamma)
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each draft's rows get its own features (the groups cover every row, padding included)
                 feats = torch.cat([draft_features(d, feats[a:z], [c[a:z] for c in out.captured], capture).to(feats.dtype)
                                    for d, a, z in groups])
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
-        return torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1)
+        return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
     key = ("greedy-round" if greedy else ("sampled-round", filtered), tuple((a, z) for _, a, z in groups), kv_len,
-           gamma, capture, rounds)
+           gamma, capture)
     (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(id(d) for d, _, _ in groups))
     if not greedy:
-        advance([s.random for s in slots], rounds * (2 * gamma + 1))
-    packed = packed.tolist()  # the rounds' only host transfer: [num_accepted, next token, drafted...] per row and round
-    results = []
-    for r in range(rounds):
-        out: list = [None] * b
-        for k, i in enumerate(perm):  # back to the caller's row order
-            acc, fin, drafted = packed[k][r][0], packed[k][r][1], packed[k][r][2:]
-            out[i] = (drafted[:acc] + [fin], acc)
-        results.append(RoundResult([o[0] for o in out], [o[1] for o in out], [gamma] * b, [1] * b))
-    return results
+        advance([s.random for s in slots], 2 * gamma + 1)
+    packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
+    out: list = [None] * b
+    for k, i in enumerate(perm):  # back to the caller's row order
+        acc, fin, drafted = packed[k][0], packed[k][1], packed[k][2:]
+        out[i] = (drafted[:acc] + [fin], acc)
+    return RoundResult([o[0] for o in out], [o[1] for o in out], [gamma] * b, [1] * b)

@@ -297,42 +297,6 @@ def test_eos_inside_accepted_tokens_ends_the_sequence_there(target):
     assert result.stats.rounds == 1
 
 
-def test_eos_in_an_early_round_of_several_a_sync(target):
-    """Three rounds a host sync (emulated graphs): an EOS in the second round ends the output there, the
-    later round's tokens are dropped, and the stats count the rounds up to the stop."""
-    # The oracle accepts everything: round r makes tokens 6r+1 .. 6r+6 (token 0 from the prefill). A prompt
-    # whose output first shows some token inside round 2 (the tiny model repeats itself a lot):
-    length, cut = next((n, i) for n in range(3, 40) for i in range(8, 12)
-                       if (out := ar_greedy(target, (n,), 40)[0])[i] not in out[:i])
-    expected = ar_greedy(target, (length,), 40)[0]
-    params = SamplingParams(max_new_tokens=40, eos_token_ids=(expected[cut],))
-    result = spec_generate(target, oracle(target), SpecConfig(5, 5), lengths=(length,), params=params, max_batch_size=1,
-                           cuda_graphs="emulate", spec_rounds_per_sync=3)[0]
-    assert result.token_ids == expected[:cut]
-    assert result.finish_reason == "stop"
-    assert result.stats.rounds == 2 and result.stats.emitted == 12
-
-
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_several_rounds_a_sync_give_what_single_rounds_give(target, sampled):
-    """Rounds chained on the device (emulated graphs, a ragged batch of deep and plain drafts, one graph
-    for the mix): the same tokens and the same per-request stats as one round a sync; seeded sampled
-    rows draw the same numbers."""
-    drafts = [noisy(oracle(target), 0.5), noisy(oracle(target, deep=True), 0.5)] * 2
-    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=1.0 if sampled else 0.0, seed=i)
-              for i in range(len(LENGTHS))]
-    runs = {}
-    for count in (1, 3):
-        runs[count] = spec_generate(target, drafts, SpecConfig(5, 5), params=params, max_batch_size=4,
-                                    cuda_graphs="emulate", mixed_round_graph=True, spec_rounds_per_sync=count)
-    assert [r.token_ids for r in runs[3]] == [r.token_ids for r in runs[1]]
-    for a, b in zip(runs[3], runs[1]):
-        assert (a.stats.rounds, a.stats.accepted, a.stats.emitted) == (b.stats.rounds, b.stats.accepted, b.stats.emitted)
-    assert 0 < sum(r.stats.accepted for r in runs[3]) < sum(r.stats.drafted for r in runs[3])
-    if not sampled:
-        assert [r.token_ids for r in runs[3]] == ar_greedy(target)
-
-
 @pytest.mark.parametrize("new", [1, 2, 4, 6, 7, 13])
 def test_max_new_tokens_is_exact(target, new):
     results = spec_generate(target, oracle(target), SpecConfig(5, 2), new=new)
@@ -465,7 +429,7 @@ def test_sampling_is_lossless_with_adaptive_gamma(small):
 
     model, draft = small
     n = 20000
-    ctl = GammaController(3, min_rounds=4, explore_every=2, pin_seeded=False)  # the seeds here only fix the draws
+    ctl = GammaController(3, min_rounds=4, explore_every=2)
     tokens = sampled_tokens(model, draft, 1.0, 1.0, n, gamma=ctl)
     assert len(ctl.chosen) == 3, ctl.chosen
     per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
@@ -583,9 +547,9 @@ def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_
     captured = []
     real = speculative._captured_round
 
-    def spy(eng, slots, drafts, gamma, kv_len, greedy, rounds=1):
+    def spy(eng, slots, drafts, gamma, kv_len, greedy):
         captured.append(greedy)
-        return real(eng, slots, drafts, gamma, kv_len, greedy, rounds)
+        return real(eng, slots, drafts, gamma, kv_len, greedy)
 
     monkeypatch.setattr(speculative, "_captured_round", spy)
     emulated = spec_generate(target, draft, SpecConfig(5, 5), params=params, max_batch_size=8, cuda_graphs="emulate")
@@ -708,7 +672,7 @@ def test_sampling_with_early_stop_is_lossless(small, block):
 
 
 @pytest.mark.parametrize("layers", [(), (2,), (2, 3)], ids=["final", "final+2", "final+2+3"])
-@pytest.mark.parametrize("path", ["loop", "one-graph", "one-graph, 3 rounds a sync", "windowed"])
+@pytest.mark.parametrize("path", ["loop", "one-graph", "windowed"])
 def test_engine_feeds_deep_drafts_the_features_training_uses(target, monkeypatch, layers, path):
     """A round's first drafted token is the draft's prediction from the verified prefix alone, so it must
     equal the teacher-forced prediction (training's `forward_train` on the target's states, as
@@ -717,26 +681,19 @@ def test_engine_feeds_deep_drafts_the_features_training_uses(target, monkeypatch
     from training.distill import _shift, target_states
 
     draft = layered(target, layers) if layers else with_features(noisy(oracle(target, deep=True), 0.5), 0.5)
-    rounds, calls = [], []
+    rounds = []
     real = speculative.spec_round
 
-    def spy(eng, slots, drafts, cfg, count=1):
+    def spy(eng, slots, drafts, cfg):
         pos0 = slots[0].length
-        results = real(eng, slots, drafts, cfg, count)
-        calls.append(len(results))
-        for result in results:
-            rounds.append((pos0, result.num_accepted[0]))
-            pos0 += result.num_accepted[0] + 1
-        return results
+        result = real(eng, slots, drafts, cfg)
+        rounds.append((pos0, result.num_accepted[0]))
+        return result
 
     monkeypatch.setattr("engine.scheduler.spec_round", spy)
     spec = SpecConfig(5, 2 if path == "loop" else 5, draft_kv_window=96 if path == "windowed" else None)  # 96: covers the sequence
-    kwargs = {"cuda_graphs": "emulate"} if path.startswith("one-graph") else {}
-    if path.endswith("a sync"):
-        kwargs["spec_rounds_per_sync"] = 3
+    kwargs = {"cuda_graphs": "emulate"} if path == "one-graph" else {}
     result = spec_generate(target, draft, spec, lengths=(17,), new=60, **kwargs)[0]
-    if path.endswith("a sync"):
-        assert max(calls) == 3 and min(calls) == 1  # three rounds a call until the last tokens, then one
     assert result.token_ids == ar_greedy(target, (17,), 60)[0]
     seq = torch.tensor(prompts_for(target.args.vocab_size, (17,))[0] + result.token_ids)[None]
     with torch.no_grad():
