@@ -13,7 +13,7 @@ only while its cost per token is at most plain decoding's, within the two estima
 - a running request whose draft stops paying drops to plain decoding for the rest of its tokens
   (always safe: the target cache is complete);
 - while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
-`DecodeEngine.calibrate()` seeds the plain-decoding estimate at start-up.
+`DecodeEngine.calibrate()` seeds the plain-decoding estimate at every batch-size bucket at start-up.
 """
 
 from __future__ import annotations
@@ -189,6 +189,12 @@ class SpeculationGovernor:
             keep = self._pays(draft, rows) is not False
             self.decisions["dropped"] += not keep
             return keep
+
+    def plain_samples(self, rows: int) -> int:
+        """Plain-decoding steps measured at the batch-size bucket of `rows`."""
+        with self._lock:
+            rate = self._ar.get(batch_bucket(rows))
+            return rate.count if rate is not None else 0
 
     def snapshot(self) -> dict:
         with self._lock:

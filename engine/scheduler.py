@@ -185,10 +185,16 @@ class DecodeEngine:
                 return True
         return False
 
-    def calibrate(self, prompt_tokens: int = 32, new_tokens: int | None = None, prompt: list[int] | None = None) -> None:
-        """Seed the governor's plain-decoding cost (batch 1) with a short generation on `prompt` (default: a
-        dummy one of `prompt_tokens`); by default long enough for the governor's `min_samples` plain steps
-        (and two more that may capture)."""
+    def calibrate(self, prompt_tokens: int = 32, new_tokens: int | None = None, prompt: list[int] | None = None,
+                  batch_sizes: Iterable[int] | None = None, attempts: int = 3) -> dict[int, int]:
+        """Seed the governor's plain-decoding cost at each batch size it will judge: `batch_sizes` (default:
+        every batch-size bucket up to max_batch_size), with generations of that many copies of `prompt`
+        (default: a dummy one of `prompt_tokens`), repeated (at most `attempts` times) until the governor
+        holds `min_samples` clean steps there: steps that captured a graph or compiled a kernel are no
+        sample, and without a plain cost at a batch size the governor cannot turn speculation off there
+        (at batch 8 it once ran every request speculatively at 0.3x plain decoding that way). By default
+        each generation is long enough for `min_samples` plain steps and two more that may capture.
+        Returns the governor's plain-step samples per bucket."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
 
@@ -196,7 +202,15 @@ class DecodeEngine:
             new_tokens = (self.governor.min_samples + 2) * self.ar_steps_per_sync + 1
         if prompt is None:
             prompt = [(i * 7919) % self.model.args.vocab_size for i in range(1, prompt_tokens + 1)]
-        generate(self, [prompt], SamplingParams(max_new_tokens=new_tokens, eos_token_ids=()))
+        params = SamplingParams(max_new_tokens=new_tokens, eos_token_ids=())
+        if batch_sizes is None:
+            batch_sizes = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
+        for rows in batch_sizes:
+            for _ in range(attempts):
+                if self.governor.plain_samples(rows) >= self.governor.min_samples:
+                    break
+                generate(self, [list(prompt)] * rows, params)
+        return {rows: self.governor.plain_samples(rows) for rows in batch_sizes}
 
     def warmup(self, max_len: int = 256, prompt_len: int = 32) -> int:
         """Capture the CUDA graphs serving meets first, before any request waits on a capture.

@@ -136,6 +136,26 @@ def test_steps_that_capture_a_graph_or_compile_are_not_cost_samples(tiny, monkey
     assert len(samples) == 4
 
 
+def test_calibrate_measures_plain_decoding_at_every_batch_bucket(tiny):
+    """Enough clean plain steps at each bucket up to max_batch_size, generating again while a bucket's
+    steps were too few or captured graphs; then a slow draft at batch 4 is off from its first judged admission."""
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    gov = SpeculationGovernor()
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov, ar_steps_per_sync=1,
+                       cuda_graphs="emulate")
+    # 4 plain steps a generation, the first generation's first one capturing: 3 + 4 + 4 samples per bucket.
+    counts = eng.calibrate(new_tokens=5)
+    assert counts == {1: 11, 2: 11, 4: 11}, counts
+    assert gov.plain_samples(3) == 11  # 3 rows run in the bucket of 4
+    assert eng.calibrate(new_tokens=5) == counts  # enough already: nothing runs
+    plain = gov.snapshot()["ar_seconds_per_token"][4]
+    for _ in range(8):
+        gov.observe_spec("slow", 4, seconds=plain * 40, tokens=8)
+    assert gov.allow("slow", rows=4) is False
+
+
 def test_requests_admitted_together_are_priced_at_the_batch_they_will_run_in(tiny):
     """Eight requests admitted in one step run as a batch of 8: none speculates when it pays only at batch 1."""
     from drafts.config import DraftConfig
