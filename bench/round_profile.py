@@ -6,8 +6,9 @@
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
 piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
-whole round's pieces in sequence) captured as one CUDA graph and replayed 200 times; ms per replay and
-the CUDA kernels one eager run launches. Plus the drafting chain and the verify pass on two CUDA streams
+whole round's pieces in sequence, 4 plain steps as one graph) captured as one CUDA graph and replayed 200
+times; ms per replay (`graph_ms`, back to back), ms per replay waited for one at a time as the engine does
+(`synced_ms`) and the host's time inside `replay()` (`launch_ms`), and the CUDA kernels one eager run launches. Plus the drafting chain and the verify pass on two CUDA streams
 (independent here, so an upper bound on what overlapping them could give). Needs CUDA.
 """
 
@@ -109,12 +110,41 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
         "the round's pieces in sequence (chain, then verify)": lambda: verify(6, capture)(chain()),
         "chain and verify on two streams in one graph (timing only: independent)": two_streams,
     }
+    def four_steps():
+        tok = token
+        for j in range(4):
+            tok = argmax(model(tok, position + j + torch.zeros(1, 1, dtype=torch.long, device=dev), cache=eng.cache,
+                               rows=rows, kv_len=kv).logits[:, -1])[:, None]
+        return tok
+
+    pieces["plain decoding, 4 steps in one graph (ar_steps_per_sync)"] = four_steps
     for name, fn in pieces.items():
         try:
-            row = {"piece": name, "graph_ms": round(cuda_ms(capture_graph(fn).replay, 200), 4), "kernels": count_kernels(fn)}
+            graph = capture_graph(fn)
+            synced, launch = synced_ms(graph)
+            row = {"piece": name, "graph_ms": round(cuda_ms(graph.replay, 200), 4), "synced_ms": round(synced, 4),
+                   "launch_ms": round(launch, 4), "kernels": count_kernels(fn)}
         except Exception as exc:  # noqa: BLE001 - one failing piece should not hide the others
             row = {"piece": name, "error": repr(exc)[:300]}
         print(json.dumps(row), flush=True)
+
+
+def synced_ms(graph, iters: int = 100) -> tuple[float, float]:
+    """ms per replay the engine's way (replay, then wait for it before the next: nothing overlaps the launch),
+    and ms the host spends inside `replay()` itself. `graph_ms` replays back to back, the host launching the
+    next replay while the GPU runs the last one; the difference is what a step or round pays for the launch."""
+    import time
+
+    torch.cuda.synchronize()
+    total = launch = 0.0
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        graph.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        total += time.perf_counter() - t0
+        launch += t1 - t0
+    return total / iters * 1000, launch / iters * 1000
 
 
 @torch.no_grad()
