@@ -164,6 +164,11 @@ class GammaController:
             if seconds is not None:
                 self._costs.setdefault(key, {}).setdefault(gamma, _Cost()).update(seconds, self.cost_alpha)
 
+    def forget(self, draft: str) -> None:
+        """Drop a draft's acceptance counts (a new version under the same name starts from the prior)."""
+        with self._lock:
+            self._acceptance.pop(draft, None)
+
     def snapshot(self) -> dict:
         with self._lock:
             return {

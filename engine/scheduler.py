@@ -127,6 +127,7 @@ class DecodeEngine:
         old = self.drafts.get(name)
         if old is not None and old is not draft:
             self.graphs.discard(id(old))  # running rows keep the old draft: their graphs are captured again
+            self.gamma.forget(name)  # the new version's acceptance is its own
         self.drafts[name] = draft
 
     def remove_draft(self, name: str) -> None:

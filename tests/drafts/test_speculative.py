@@ -429,7 +429,7 @@ def test_sampling_is_lossless_with_adaptive_gamma(small):
 
     model, draft = small
     n = 20000
-    ctl = GammaController(3, min_rounds=4, explore_every=2)
+    ctl = GammaController(3, min_rounds=4, explore_every=2, pin_seeded=False)  # the seeds here only fix the draws
     tokens = sampled_tokens(model, draft, 1.0, 1.0, n, gamma=ctl)
     assert len(ctl.chosen) == 3, ctl.chosen
     per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))

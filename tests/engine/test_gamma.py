@@ -148,6 +148,8 @@ def test_engine_greedy_output_is_unchanged_whatever_gamma_it_takes(tiny_target):
     assert 0 < ctl.survival("d")[0] < 1
     with pytest.raises(ValueError, match="max_gamma"):
         DecodeEngine(target, None, spec=SpecConfig(5, 5), gamma=GammaController(4))
+    eng.add_draft("d", oracle(target))  # a new version under the same name: its acceptance starts afresh
+    assert ctl.survival("d") == GammaController(4).survival("d")
 
 
 def test_engine_warmup_captures_every_gamma(tiny_target):
