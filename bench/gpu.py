@@ -16,6 +16,11 @@ labelled as a projection. Tokens/s count new tokens over wall time, prefill incl
 again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
+--gammas 3 adds best-draft rows at fixed gammas (one verify a round); --adaptive-gamma adds rows with
+`engine.gamma`'s controller, alone and with the governor (each prints the controller's choices and
+estimates in its log line); --unfused-rows ar leaves only plain decoding unfused (with --fused, the
+FlashSpec rows then run on the fused path alone).
+
 --attention NAME runs every row with that attention backend (default sdpa); --attention-compare
 triton[,flex] then runs engine AR and the block-5 rows again with each other backend (on the fused
 path with --fused) and prints a table of the ratios and each backend's decode step.
