@@ -180,6 +180,11 @@ class Bench:
         self.hf = None
         self.fp32 = None
 
+    def cell(self, bs: int, kind: str, new: int, greedy: bool) -> tuple[str, list[list[int]], list[str]]:
+        """A table cell's label ("bs 1, 512->256, greedy"), its prompts and their domains."""
+        setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
+        return setting, *pick_prompts(self.prompts, kind, bs, self.args.short_prompts, self.args.long_prompts)
+
     def fp32_check(self, prompts: list[list[int]], outs: list[list[int]]) -> dict:
         from engine.loading import load_model
 
@@ -464,8 +469,7 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     kind_name = "best drafts" if best else "seed-default shape"
     settings = fused_settings(args, settings)
     for bs, kind, new, greedy in settings:
-        setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-        prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts, bench.args.long_prompts)
+        setting, prompts, domains = bench.cell(bs, kind, new, greedy)
         ref = refs[setting]
         bench.measure(setting, "engine AR (fused)",
                       lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
@@ -522,8 +526,7 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
         names.append(name)
         suffix = f" (fused, {name} attention)" if args.fused else f" ({name} attention)"
         for bs, kind, new, greedy in settings:
-            setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-            prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts, bench.args.long_prompts)
+            setting, prompts, domains = bench.cell(bs, kind, new, greedy)
             ref = refs[setting]
             bench.measure(setting, f"engine AR{suffix}",
                           lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
@@ -648,8 +651,7 @@ def main() -> None:
     settings = [(bs, kind, new, greedy) for bs in sizes for kind, new in lengths for greedy in greedies]
     refs: dict[str, list] = {}  # setting -> the unfused engine AR outputs
     for bs, kind, new, greedy in settings:
-        setting = f"bs {bs}, {'512' if kind == 'long' else '32'}->{new}, {'greedy' if greedy else 'T=1'}"
-        prompts, domains = pick_prompts(bench.prompts, kind, bs, bench.args.short_prompts, bench.args.long_prompts)
+        setting, prompts, domains = bench.cell(bs, kind, new, greedy)
         if not args.skip_hf:
             for mode in args.hf_modes.split(","):
                 bench.measure(setting, f"transformers generate ({mode})",

@@ -91,6 +91,7 @@ class DecodeEngine:
             raise ValueError(f"the gamma controller's max_gamma ({gamma.max_gamma}) must be the engine's "
                              f"num_speculative_tokens ({self.spec.num_speculative_tokens})")
         self.gamma = gamma or GammaController(self.spec.num_speculative_tokens, enabled=False)
+        self._specs = {self.spec.num_speculative_tokens: self.spec}  # SpecConfig per gamma the controller picks
         # Deep-feature drafts: the target's final hidden states of the last round, per cache row.
         hidden = model.args.hidden_size
         self._deep_ready = False
@@ -284,20 +285,10 @@ class DecodeEngine:
             ar_tokens = sum(len(t) for t in new)
         t1 = time.perf_counter()
         if spec_rows:
-            names = [s.request.draft or "" for s in spec_rows]
-            key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
-                   all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
-            # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
-            seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
-                                                   for s in spec_rows)
-            gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
-            spec = self.spec if gamma == self.spec.num_speculative_tokens else dataclasses.replace(
-                self.spec, num_speculative_tokens=gamma)
-            cold_round = self._cold_events()
-            result = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec)
-            clean = self._cold_events() == cold_round
-            self.gamma.observe(key, gamma, time.perf_counter() - t1 if clean else None,
-                               list(zip(names, result.num_accepted, result.drafted)))
+            if not self.gamma.enabled:
+                result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
+            else:
+                result = self._adaptive_round(spec_rows, t1)
         if running and self._cold_events() == cold:
             now = time.perf_counter()
             if spec_rows:
@@ -320,6 +311,24 @@ class DecodeEngine:
                         and not self.governor.keep_speculating(s.request.draft or "", len(running))):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
+
+    def _adaptive_round(self, spec_rows: list[SlotState], t0: float):
+        """A round at the gamma controller's choice (`engine.gamma`), reported back to it."""
+        names = [s.request.draft or "" for s in spec_rows]
+        key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
+               all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
+        # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
+        seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
+                                               for s in spec_rows)
+        gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
+        spec = self._specs.get(gamma)
+        if spec is None:
+            spec = self._specs[gamma] = dataclasses.replace(self.spec, num_speculative_tokens=gamma)
+        cold = self._cold_events()
+        result = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec)
+        seconds = time.perf_counter() - t0 if self._cold_events() == cold else None
+        self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)))
+        return result
 
     def _cold_events(self) -> int:
         """Graph captures plus kernel compiles so far: a step that changed it was not a steady-state step."""

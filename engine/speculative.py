@@ -163,29 +163,29 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         -> (trunk (b, 1, H), the drafted tokens (b,) when draft_greedy else the draft logits (b, V))."""
         trunk, _, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
         if not with_head:
-            logits = None
+            pred = None
         elif draft_greedy:
-            logits = torch.empty(b, dtype=torch.long, device=device)
+            pred = torch.empty(b, dtype=torch.long, device=device)
         else:
-            logits = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype)
+            pred = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype)
         for draft, idx, g_rows in groups.items:
             if not with_head and draft.feature_input == "deep":
                 continue  # the next round's window rewrites this position's adapter KV anyway
             if draft.feature_input == "deep" and first:
                 # Re-run the adapters over last round's verified tokens with the target's true features.
                 window, feats, index, win_pos = eng.deep_window(rows_t[idx], trunk[idx, 0], pos0[idx])
-                out, g_logits, g_proxy = eng.run_draft(draft, window, feats, win_pos, g_rows, kv_len, pick=index,
-                                                       greedy=draft_greedy)
+                out, g_pred, g_proxy = eng.run_draft(draft, window, feats, win_pos, g_rows, kv_len, pick=index,
+                                                     greedy=draft_greedy)
             else:
                 feats = proxy[idx, None] if draft.feature_input == "deep" else None
-                out, g_logits, g_proxy = eng.run_draft(draft, trunk[idx], feats, positions[idx, None], g_rows, kv_len,
-                                                       with_head=with_head, greedy=draft_greedy)
+                out, g_pred, g_proxy = eng.run_draft(draft, trunk[idx], feats, positions[idx, None], g_rows, kv_len,
+                                                     with_head=with_head, greedy=draft_greedy)
             if not with_head:
                 continue  # last token of the round: its adapter KV is needed, its prediction is not
-            logits[idx] = g_logits.to(logits.dtype)
+            pred[idx] = g_pred.to(pred.dtype)
             if g_proxy is not None:
                 proxy[idx] = g_proxy.to(proxy.dtype)
-        return trunk, logits
+        return trunk, pred
 
     # Per-row outcome of the round.
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -197,7 +197,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     verify_trunk: list[torch.Tensor] = []  # trunk hidden states that entered verification, in order
     verify_final: list[tuple] = []  # the target's final hidden states for them, and its captured states (deep drafts)
 
-    trunk, draft_logits = draft_step(pending, pos0, first=True, with_head=True)
+    trunk, draft_pred = draft_step(pending, pos0, first=True, with_head=True)
     queued = [trunk]  # trunk states not yet run through the deep layers
     q_start = 0  # offset from pos0 of the first queued state
     carry_probs = None  # target distribution carried from the previous block (checks its first token)
@@ -208,24 +208,24 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         block_tokens, block_probs = [], []
         for j in range(block_len):
             if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
-                logits = draft_logits.float()  # top probability = exp(max - logsumexp): no softmax tensor
+                logits = draft_pred.float()  # top probability = exp(max - logsumexp): no softmax tensor
                 confident = (logits.amax(-1) - logits.logsumexp(-1)).exp() >= cfg.draft_confidence
                 if not bool((confident & ~done).any()):
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break
             if draft_greedy:
-                token, probs = draft_logits, None  # the heads' own greedy tokens
+                token, probs = draft_pred, None  # the heads' own greedy tokens
             elif greedy:
-                token = argmax(draft_logits)
+                token = argmax(draft_pred)
                 probs = None
             else:
-                probs = processed_probs(draft_logits, draft_temperature, top_k, top_p, filtered)
+                probs = processed_probs(draft_pred, draft_temperature, top_k, top_p, filtered)
                 token = sample(probs, streams)
             block_tokens.append(token)
             block_probs.append(probs)
             drafted_tokens.append(token)
             last_of_round = block_no == len(blocks) - 1 and j == block_len - 1
-            trunk, draft_logits = draft_step(token, pos0 + n_done + j + 1, first=False, with_head=not last_of_round)
+            trunk, draft_pred = draft_step(token, pos0 + n_done + j + 1, first=False, with_head=not last_of_round)
             queued.append(trunk)
         if stopped and not block_tokens:
             # Stopped between blocks: rows that accepted everything so far take the bonus token from the

@@ -25,9 +25,10 @@ queries per row for one tile, an unsupported head size): the caller then uses SD
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from engine.triton_kernels import served
 
 MAX_TILE_ROWS = 64  # query heads per KV head x new tokens per row served by one tile
 BLOCK_N = 64  # cache slots per inner-loop block
@@ -125,8 +126,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     bsz, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     group = hq // hkv
-    interpret = q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (tests)
-    if (not (q.is_cuda or interpret) or hq % hkv or group * t > MAX_TILE_ROWS or d not in (16, 32, 64, 128, 256)
+    if (not served(q) or hq % hkv or group * t > MAX_TILE_ROWS or d not in (16, 32, 64, 128, 256)
             or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype)
             or mask.dtype != torch.bool or mask.shape[1] != 1):
         return None

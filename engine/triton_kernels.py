@@ -82,7 +82,7 @@ def available() -> bool:
     return True
 
 
-def _served(*tensors: torch.Tensor) -> bool:
+def served(*tensors: torch.Tensor) -> bool:
     """CUDA tensors, or CPU tensors under Triton's interpreter (tests)."""
     if all(t.is_cuda for t in tensors):
         return True
@@ -96,10 +96,10 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torc
     `cache[rows[:, None], :, input_pos] = k.transpose(1, 2)` does. Positions outside [0, S) are not written
     (the indexing version raises there; the engine never asks). Returns False for calls it does not serve."""
     bsz, heads, t, d = k.shape
-    if (not ENABLED or not available() or not _served(k_cache, v_cache, input_pos, k, v) or d & (d - 1) or d < 16
+    if (not ENABLED or not available() or not served(k_cache, v_cache, input_pos, k, v) or d & (d - 1) or d < 16
             or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) or v.shape != k.shape
             or k_cache.shape[1] != heads or input_pos.shape != (bsz, t) or input_pos.dtype not in (torch.int64, torch.int32)
-            or (isinstance(rows, torch.Tensor) and (not _served(rows) or rows.shape != (bsz,)))):
+            or (isinstance(rows, torch.Tensor) and (not served(rows) or rows.shape != (bsz,)))):
         return False
     if bsz * t == 0:
         return True
@@ -123,7 +123,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     block of threads: 15 us for a 49,152-entry vocabulary on an H200, a tenth of a draft step. Falls back
     to torch.argmax for calls it does not serve."""
     v = x.shape[-1]
-    if (not ENABLED or not available() or not _served(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    if (not ENABLED or not available() or not served(x) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or x.numel() == 0 or x.stride(-1) != 1 or v < 2 * ARGMAX_CHUNK):
         return x.argmax(-1)
     rows = x.reshape(-1, v)  # a view for the engine's logits (contiguous rows); a copy otherwise
