@@ -3,6 +3,7 @@
     python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
     python -m bench.round_profile --kernel-table [--attention triton]   # a decode step's kernels by type
+    python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
 piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 import torch
 
@@ -133,7 +136,6 @@ def synced_ms(graph, iters: int = 100) -> tuple[float, float]:
     """ms per replay the engine's way (replay, then wait for it before the next: nothing overlaps the launch),
     and ms the host spends inside `replay()` itself. `graph_ms` replays back to back, the host launching the
     next replay while the GPU runs the last one; the difference is what a step or round pays for the launch."""
-    import time
 
     torch.cuda.synchronize()
     total = launch = 0.0
@@ -218,6 +220,94 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10
     triton_kernels.ENABLED = True
 
 
+@torch.no_grad()
+def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
+    """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
+    drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
+    the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1). After a warm-up pass, a timed
+    pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
+    `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The costliest graphs of
+    each case get a kernel table from one eager run of their step."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.gpu import load_drafts, pick_prompts
+    from engine.fused import fuse_for_inference
+    from engine.generate import generate
+    from engine.loading import load_model
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    model = loaded.model
+    model.fuse_for_inference(compile=True)
+    drafts = load_drafts("drafts/demo", model)
+    for draft in drafts.values():
+        fuse_for_inference(draft, compile=True)
+    model.set_attention_backend(attention)
+    data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
+    new = 256 if kind == "long" else 20
+    cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True), ("bs 8, three drafts, general loop", 8, "mixed", False),
+             ("bs 8, code draft", 8, "code", False), ("bs 1, code draft", 1, "code", False),
+             ("bs 8, plain", 8, None, False), ("bs 1, plain", 1, None, False)]
+    for label, bs, which, one_graph in cases:
+        if which == "mixed":
+            prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
+        else:
+            prompts, names = data["code"][kind][:bs], [which] * bs
+        eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=bs, max_seq_len=max(map(len, prompts)) + new + 16,
+                           spec=SpecConfig(5, 5), mixed_round_graph=one_graph)
+        for name, draft in drafts.items():
+            eng.add_draft(name, draft)
+        params = SamplingParams(max_new_tokens=new, temperature=0.0, eos_token_ids=())
+        generate(eng, prompts, params, names)  # warm-up: captures every graph the pass needs
+        for step in eng.graphs.graphs.values():
+            step.calls = 0
+        captured = eng.graphs.captures
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = generate(eng, prompts, params, names)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        rows = []
+        for key, step in eng.graphs.graphs.items():
+            if not step.calls or step.graph is None:
+                continue
+            synced, launch = synced_ms(step.graph, 30)
+            rows.append({"graph": repr(key)[:150], "calls": step.calls, "graph_ms": round(cuda_ms(step.graph.replay, 30), 4),
+                         "synced_ms": round(synced, 4), "launch_ms": round(launch, 4),
+                         "total_ms": round(step.calls * synced, 2), "step": step})
+        rows.sort(key=lambda r: -r["total_ms"])
+        tokens = sum(len(o.token_ids) for o in outs)
+        rounds = sum(o.stats.rounds for o in outs if o.stats)
+        print(json.dumps({"case": label, "kind": kind, "attention": model.backend.name, "tokens": tokens,
+                          "wall_ms": round(wall * 1000, 1), "tps": round(tokens / wall, 1), "rounds": rounds,
+                          "graphs_ms": round(sum(r["total_ms"] for r in rows), 1),
+                          "graphs_in_pass": eng.graphs.captures - captured}), flush=True)
+        for i, r in enumerate(rows):
+            step = r.pop("step")
+            print("  " + json.dumps(r), flush=True)
+            if i >= 2:
+                continue
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step.fn(**step.static)
+                torch.cuda.synchronize()
+            by = defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                if e.device_type == DeviceType.CUDA:
+                    by[e.name[:80]][0] += 1
+                    by[e.name[:80]][1] += e.time_range.elapsed_us()
+            print(f"    eager run: {sum(c for c, _ in by.values())} kernels, "
+                  f"{sum(d for _, d in by.values()) / 1000:.3f} ms of kernel time", flush=True)
+            for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+                print(f"    {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
+        del eng
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="code", help="which shipped draft (drafts/demo/<domain>)")
@@ -226,6 +316,9 @@ def main() -> None:
     parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
     parser.add_argument("--kernel-table", action="store_true",
                         help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
+    parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
+                        help="only the engine's graphs over whole generations (bs 8 three drafts / one draft, bs 1, "
+                             "plain), 512->256 or 32->20 prompts")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     args = parser.parse_args()
@@ -236,6 +329,8 @@ def main() -> None:
         attention_calls()
     elif args.kernel_table:
         kernel_table(args.attention)
+    elif args.engine_graphs:
+        engine_graphs(args.attention, args.engine_graphs)
     else:
         round_pieces(args.domain, args.attention, not args.unfused)
 

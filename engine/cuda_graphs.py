@@ -20,6 +20,7 @@ class CapturedStep:
         self.fn = fn
         self.static = {k: v.clone() for k, v in inputs.items()}
         self.graph = None
+        self.calls = 0  # replays (or emulated runs) so far: where a workload's GPU time goes (bench.round_profile)
         if not capture:  # emulation (tests on CPU): same static buffers and keys, the function runs each call
             return
         stream = torch.cuda.Stream()
@@ -45,6 +46,7 @@ class CapturedStep:
     def __call__(self, inputs: dict[str, torch.Tensor]) -> tuple:
         for name, value in inputs.items():
             self.static[name].copy_(value)
+        self.calls += 1
         if self.graph is None:
             self.outputs = self.fn(**self.static)
         else:
