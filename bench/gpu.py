@@ -53,9 +53,9 @@ def cuda_ms(fn, iters: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1000
 
 
-def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+def capture_graph(fn, warmup: int = 3, debug: bool = False) -> torch.cuda.CUDAGraph:
     """fn captured as a CUDA graph, after `warmup` eager runs on a side stream (they compile the fused
-    and Triton kernels for these shapes)."""
+    and Triton kernels for these shapes). `debug`: keep the graph's nodes for `graph_kernels`."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -63,21 +63,36 @@ def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
+    if debug:
+        g.enable_debug_mode()
     with torch.cuda.graph(g):
         fn()
     return g
 
 
-def count_kernels(fn) -> int:
-    """CUDA kernels (and copies) one eager run of fn launches."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+def graph_kernels(graph: torch.cuda.CUDAGraph) -> int:
+    """CUDA kernels (and copies, memsets) one replay of a graph captured with `capture_graph(debug=True)` runs,
+    counted from the graph's own nodes (cudaGraphDebugDotPrint).
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+    Not torch.profiler: a profiler session leaves CUPTI attached to the process, and afterwards every graph
+    launch costs the host about 0.45 us per kernel node and the kernels run up to 20 % slower (measured on the
+    H200: an 800-kernel graph's launch went from 0.03 to 0.38 ms). A benchmark that counted kernels that way
+    before its timed rows slowed every row after it (bench/RESULTS.md, run 18)."""
+    import os
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "graph.dot")
+        graph.debug_dump(path)
+        dot = open(path).read()
+    # Each node's label starts with its index and type, "3\nKERNEL\n...", the newlines escaped in the DOT text.
+    return len(re.findall(r'label="\d+(?:\\n|\n)(?:KERNEL|MEMCPY|MEMSET)\b', dot))
+
+
+def count_kernels(fn) -> int:
+    """CUDA kernels (and copies) one run of fn launches, from its captured graph (`graph_kernels`)."""
+    return graph_kernels(capture_graph(fn, debug=True))
 
 
 def step_profile(model, kv_len: int = 512) -> dict:

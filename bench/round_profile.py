@@ -180,7 +180,8 @@ def attention_calls() -> None:
 def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10) -> None:
     """One fused decode step (and verify-sized pass) of the default model by CUDA kernel: count, GPU time
     each kernel type took in one eager run (torch.profiler), against the step's CUDA-graph replay time,
-    with engine.triton_kernels off and on."""
+    with engine.triton_kernels off and on. Every replay time is taken before the profiler's first run: it
+    leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -193,30 +194,33 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10
     model.fuse_for_inference(compile=True)
     model.set_attention_backend(attention)
     cache, kv = model.new_cache(1, 1024), 704
-    for enabled in (False, True):
+    runs = []
+    for enabled in (False, True):  # every graph timed before the profiler first runs (it slows later launches)
         triton_kernels.ENABLED = enabled
         for t in tokens:
             tok = torch.zeros(1, t, dtype=torch.long, device="cuda")
             pos = 600 + torch.arange(t, device="cuda")[None]
 
-            def fn():
+            def fn(tok=tok, pos=pos):
                 return argmax(model(tok, pos, cache=cache, kv_len=kv).logits)
 
-            ms = cuda_ms(capture_graph(fn).replay, 300)
+            runs.append((enabled, t, fn, cuda_ms(capture_graph(fn).replay, 300)))
+    for enabled, t, fn, ms in runs:
+        triton_kernels.ENABLED = enabled
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                fn()
-                torch.cuda.synchronize()
-            by = defaultdict(lambda: [0, 0.0])
-            for e in prof.events():
-                if e.device_type == DeviceType.CUDA:
-                    by[e.name[:80]][0] += 1
-                    by[e.name[:80]][1] += e.time_range.elapsed_us()
-            print(json.dumps({"attention": model.backend.name, "small_kernels": enabled, "tokens": t,
-                              "graph_ms": round(ms, 3), "kernels": sum(c for c, _ in by.values()),
-                              "kernel_busy_ms": round(sum(d for _, d in by.values()) / 1000, 3)}), flush=True)
-            for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
-                print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
+        by = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                by[e.name[:80]][0] += 1
+                by[e.name[:80]][1] += e.time_range.elapsed_us()
+        print(json.dumps({"attention": model.backend.name, "small_kernels": enabled, "tokens": t,
+                          "graph_ms": round(ms, 3), "kernels": sum(c for c, _ in by.values()),
+                          "kernel_busy_ms": round(sum(d for _, d in by.values()) / 1000, 3)}), flush=True)
+        for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
     triton_kernels.ENABLED = True
 
 
@@ -226,8 +230,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
-    `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The costliest graphs of
-    each case get a kernel table from one eager run of their step."""
+    `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
+    graphs of each case get a kernel table from one eager run of their step, after every case is timed."""
     from collections import defaultdict
 
     from torch.autograd import DeviceType
@@ -253,6 +257,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True), ("bs 8, three drafts, general loop", 8, "mixed", False),
              ("bs 8, code draft", 8, "code", False), ("bs 1, code draft", 1, "code", False),
              ("bs 8, plain", 8, None, False), ("bs 1, plain", 1, None, False)]
+    tables = []  # (case, graph, step): kernel tables after every case is timed (the profiler slows later launches)
     for label, bs, which, one_graph in cases:
         if which == "mixed":
             prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
@@ -290,22 +295,22 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
         for i, r in enumerate(rows):
             step = r.pop("step")
             print("  " + json.dumps(r), flush=True)
-            if i >= 2:
-                continue
+            if i < 2:
+                tables.append((label, r["graph"], step))
+    for label, graph, step in tables:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step.fn(**step.static)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                step.fn(**step.static)
-                torch.cuda.synchronize()
-            by = defaultdict(lambda: [0, 0.0])
-            for e in prof.events():
-                if e.device_type == DeviceType.CUDA:
-                    by[e.name[:80]][0] += 1
-                    by[e.name[:80]][1] += e.time_range.elapsed_us()
-            print(f"    eager run: {sum(c for c, _ in by.values())} kernels, "
-                  f"{sum(d for _, d in by.values()) / 1000:.3f} ms of kernel time", flush=True)
-            for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
-                print(f"    {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
-        del eng
+        by = defaultdict(lambda: [0, 0.0])
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                by[e.name[:80]][0] += 1
+                by[e.name[:80]][1] += e.time_range.elapsed_us()
+        print(f"{label}: {graph}\n  eager run: {sum(c for c, _ in by.values())} kernels, "
+              f"{sum(d for _, d in by.values()) / 1000:.3f} ms of kernel time", flush=True)
+        for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"    {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
 
 
 def main() -> None:

@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
+    """A backend may also offer `attend_rows(q, cache_k, cache_v, rows, kv_len, mask)`: the same attention read
+    in place from whole cache layers for scattered cache rows (B,), or None where it does not serve the call
+    (`engine.model.cached_attention`)."""
+
     name: str
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -70,6 +74,12 @@ class TritonBackend:
     def __call__(self, q, k, v, mask):
         out = self._kernel(q, k, v, mask) if q.is_cuda else None
         return out if out is not None else self._sdpa(q, k, v, mask)
+
+    def attend_rows(self, q, cache_k, cache_v, rows, kv_len, mask):
+        """Attention over the first kv_len slots of cache rows `rows` (B,) of whole cache layers, read in place;
+        None where the kernel does not serve the call (CPU tensors outside Triton's interpreter included: the
+        caller then gathers the rows and calls the backend)."""
+        return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len)
 
 
 BACKENDS = ("auto", "sdpa", "flex", "triton", "flash_attn", "flashinfer")

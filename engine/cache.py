@@ -32,6 +32,9 @@ class KVCache:
     lengths: (B,) int64, the number of committed tokens per row (bookkeeping; masks use positions).
     """
 
+    # Row r's first kv_len slots are what `read` returns for it: an attention kernel may read them in place.
+    reads_in_place = True
+
     def __init__(
         self,
         num_layers: int,
@@ -123,6 +126,7 @@ class WindowedKVCache(KVCache):
 
     def __init__(self, num_layers, batch_size, num_kv_heads, window, head_dim, slack, dtype=torch.float32, device="cpu"):
         super().__init__(num_layers, batch_size, num_kv_heads, window + slack, head_dim, dtype, device)
+        self.reads_in_place = False  # `read` returns the whole ring, whatever kv_len
         self.window = window
         self.slot_pos = torch.full((batch_size, window + slack), -1, dtype=torch.long, device=device)
 

@@ -40,13 +40,17 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def attend(Q, K, V, M, O, LSE,
+    def attend(Q, K, V, M, O, LSE, ROWS,
                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smt, sms,
                sob, soh, sot, sod, so_split, slb, slh, slt, sl_split,
                T, S, per_split, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               IEEE: tl.constexpr, SPLIT: tl.constexpr):
+               IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr):
         b = tl.program_id(0)
+        if HAS_ROWS:
+            kb = tl.load(ROWS + b)  # the cache row this batch row reads, in place (no gathered copy)
+        else:
+            kb = b
         hk = tl.program_id(1)
         sp = tl.program_id(2)
         m = tl.arange(0, BLOCK_M)
@@ -63,7 +67,7 @@ def _kernels():
         for n0 in range(0, per_split, BLOCK_N):  # per_split: a multiple of BLOCK_N
             n = start + n0 + tl.arange(0, BLOCK_N)
             inside = n < S
-            k = tl.load(K + b * skb + hk * skh + n[:, None] * sks + d[None, :] * skd, mask=inside[:, None], other=0.0)
+            k = tl.load(K + kb * skb + hk * skh + n[:, None] * sks + d[None, :] * skd, mask=inside[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -76,7 +80,7 @@ def _kernels():
             p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + hk * svh + n[:, None] * svs + d[None, :] * svd, mask=inside[:, None], other=0.0)
+            v = tl.load(V + kb * svb + hk * svh + n[:, None] * svs + d[None, :] * svd, mask=inside[:, None], other=0.0)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             else:
@@ -120,15 +124,22 @@ def _splits(batch_heads: int, slots: int) -> int:
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     splits: int | None = None) -> torch.Tensor | None:
+                     splits: int | None = None, rows: torch.Tensor | None = None,
+                     kv_len: int | None = None) -> torch.Tensor | None:
     """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = visible) -> (B, Hq, T, D),
-    or None when the kernel does not serve this call (use SDPA)."""
+    or None when the kernel does not serve this call (use SDPA).
+
+    With `rows` (B,) int64: k and v are a whole cache layer (R, Hkv, S_max, D), batch row b attends the
+    first `kv_len` slots of cache row rows[b] in place: no gathered copy of the rows' keys and values
+    (`KVCache.read` with an index tensor copies them all, every layer of every step)."""
     bsz, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
+    s = k.shape[2] if rows is None else kv_len
     group = hq // hkv
     if (not served(q) or hq % hkv or group * t > MAX_TILE_ROWS or d not in (16, 32, 64, 128, 256)
             or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype)
-            or mask.dtype != torch.bool or mask.shape[1] != 1):
+            or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[-1] != s
+            or (rows is not None and (rows.shape != (bsz,) or rows.dtype != torch.long or s > k.shape[2]))):
         return None
     attend, merge = _kernels()
     block_m = max(16, 1 << (group * t - 1).bit_length())
@@ -138,16 +149,18 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     n_split = -(-s // per_split)
     m8 = mask.view(torch.uint8)
     mb, _, mt, ms = m8.stride()
-    common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32, num_warps=4)
+    common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+                  HAS_ROWS=rows is not None, num_warps=4)
+    row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     scale = d ** -0.5
     if n_split == 1:
         out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
-        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
+        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
                               *out.stride(), 0, 0, 0, 0, 0, t, s, per_split, scale, SPLIT=False, **common)
         return out
     part = torch.empty(n_split, bsz, hq, t, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_split, bsz, hq, t, device=q.device, dtype=torch.float32)
-    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
+    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
                                 *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0),
                                 t, s, per_split, scale, SPLIT=True, **common)
     out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)

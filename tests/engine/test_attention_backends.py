@@ -41,12 +41,56 @@ mask[1, :, 0, 200:] = False  # not only causal: any visibility mask
 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 for splits in (1, 3):
     torch.testing.assert_close(triton_attention(q, k, v, mask, splits=splits), ref, atol=1e-5, rtol=1e-5)
+# In place in a whole cache layer: batch row i reads cache row rows[i], its first s slots of 400.
+cache_k, cache_v = torch.randn(5, hkv, 400, d), torch.randn(5, hkv, 400, d)
+rows = torch.tensor([3, 0])
+cache_k[rows, :, :s], cache_v[rows, :, :s] = k, v
+for splits in (1, 3):
+    out = triton_attention(q, cache_k, cache_v, mask, splits=splits, rows=rows, kv_len=s)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+assert triton_attention(q, cache_k, cache_v, mask, rows=rows, kv_len=s + 1) is None  # the mask is for s slots
+assert triton_attention(q, cache_k, cache_v, mask[:, :, :, :300], rows=torch.tensor([3]), kv_len=s) is None
 print("ok")
 """
 
 
 def test_kernel_matches_sdpa_in_the_interpreter(triton_interpreter):
     triton_interpreter(CHECK)
+
+
+IN_PLACE = """
+import copy, torch
+from engine.config import ModelArgs
+from engine.model import Transformer
+torch.manual_seed(0)
+args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+ref = Transformer(args, max_seq_len=64).eval()
+model = copy.deepcopy(ref).set_attention_backend("triton")
+calls = []
+kernel = model.backend._kernel
+model.backend._kernel = lambda *a, **kw: calls.append(kw.get("rows") is not None) or kernel(*a, **kw)
+caches = [m.new_cache(4, 64) for m in (ref, model)]
+for layer in range(2):  # history in every row
+    k, v = torch.randn(4, 2, 64, 16), torch.randn(4, 2, 64, 16)
+    for c in caches:
+        c.k[layer].copy_(k), c.v[layer].copy_(v)
+tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+pos = torch.tensor([[20, 21, 22], [9, 10, 11]])
+rows = torch.tensor([3, 1])  # scattered rows: the model reads them in place, the reference gathers them
+with torch.no_grad():
+    want = ref(tokens, pos, cache=caches[0], rows=rows, kv_len=32).logits
+    got = model(tokens, pos, cache=caches[1], rows=rows, kv_len=32).logits
+torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+assert calls == [True, True], calls  # both layers took the in-place kernel
+for layer in range(2):
+    torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer])
+print("ok")
+"""
+
+
+def test_scattered_cache_rows_are_read_in_place_in_the_interpreter(triton_interpreter):
+    triton_interpreter(IN_PLACE)
 
 
 def test_auto_is_sdpa_off_cuda_and_the_model_setter_uses_it():

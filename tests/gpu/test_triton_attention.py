@@ -54,6 +54,18 @@ def test_views_of_the_cache_windows_and_empty_rows():
     assert torch.equal(out[1, :, 0], torch.zeros_like(out[1, :, 0]))
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("t", [1, 6])
+def test_scattered_cache_rows_read_in_place(dtype, tol, t):
+    q, k, v, mask = inputs(3, 9, 3, t, 704, 64, dtype)
+    cache_k = torch.randn(8, 3, 1024, 64, device="cuda", dtype=dtype)
+    cache_v = torch.randn(8, 3, 1024, 64, device="cuda", dtype=dtype)
+    rows = torch.tensor([5, 0, 7], device="cuda")
+    cache_k[rows, :, :704], cache_v[rows, :, :704] = k, v
+    out = triton_attention(q, cache_k, cache_v, mask, rows=rows, kv_len=704)
+    torch.testing.assert_close(out.float(), triton_attention(q, k, v, mask).float(), atol=tol, rtol=tol)
+
+
 def test_calls_the_kernel_does_not_serve_are_declined():
     q, k, v, mask = inputs(1, 9, 3, 32, 600, 64, torch.float32)  # 3 x 32 query rows: more than one tile
     assert triton_attention(q, k, v, mask) is None
