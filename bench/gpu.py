@@ -63,8 +63,11 @@ def capture_graph(fn, warmup: int = 3, debug: bool = False) -> torch.cuda.CUDAGr
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    if debug:
-        g.enable_debug_mode()
+    if debug:  # keep the captured graph (not only its executable) for cudaGraphDebugDotPrint
+        try:
+            g = torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # torch before keep_graph: debug mode keeps it
+            g.enable_debug_mode()
     with torch.cuda.graph(g):
         fn()
     return g
@@ -86,8 +89,8 @@ def graph_kernels(graph: torch.cuda.CUDAGraph) -> int:
         path = os.path.join(tmp, "graph.dot")
         graph.debug_dump(path)
         dot = open(path).read()
-    # Each node's label starts with its index and type, "3\nKERNEL\n...", the newlines escaped in the DOT text.
-    return len(re.findall(r'label="\d+(?:\\n|\n)(?:KERNEL|MEMCPY|MEMSET)\b', dot))
+    # A node's record label starts with its type: label="{KERNEL\n| {ID | ...
+    return len(re.findall(r'label="\{(?:KERNEL|MEMCPY|MEMSET)\b', dot))
 
 
 def count_kernels(fn) -> int:
