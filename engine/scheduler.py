@@ -41,7 +41,7 @@ class DecodeEngine:
         governor: SpeculationGovernor | None = None,
         cuda_graphs: bool | str | None = None,
         ar_steps_per_sync: int | None = None,
-        mixed_round_graph: bool = False,
+        mixed_round_graph: bool = True,
         min_admit: int = 1,
         gamma: GammaController | None = None,
     ) -> None:
@@ -53,8 +53,9 @@ class DecodeEngine:
         With graphs, a batch whose cache rows are not consecutive runs padded to a batch-size bucket
         (1, 2, 4, ... max_batch_size) with its rows as a graph input; padding rows point at one extra
         scratch cache row, so one graph serves every set of rows of that bucket.
-        mixed_round_graph: greedy rounds of a batch mixing drafts as one drafting graph too (one graph per
-        mix of drafts and their row counts; see `engine.speculative._captured_round`).
+        mixed_round_graph: rounds of a batch mixing drafts as one graph too (one graph per set of drafts,
+        whatever their row counts; `engine.speculative._captured_round`). False: such batches take the
+        general loop, a graph per piece (trunk step, each draft's step, verify pass).
         min_admit: while rows run, admit waiting requests only once this many rows are free (or every
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.

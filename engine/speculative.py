@@ -304,32 +304,24 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     draws, in the same order, as the general loop: same tokens), and the host advances each stream by
     the round's 2 * gamma + 1 draws afterwards. `draft_confidence` does not apply here.
 
-    Rows are ordered by draft, so each draft runs on one contiguous part of the batch; scattered cache
-    rows run padded to a batch-size bucket with the rows as a graph input (`DecodeEngine.run_graph`).
-    Same tokens as the general loop.
-
-    A batch of one draft always comes here. A batch mixing drafts comes here only with
-    `DecodeEngine(mixed_round_graph=True)`: its graph depends on how many rows each draft has, so a
-    server whose batches mix drafts in ever-changing proportions would keep capturing new graphs.
-    By default such batches take the general loop, whose pieces (trunk step, each draft's step,
-    verify pass) are graphs per batch bucket: a bounded set.
+    A batch mixing drafts runs every one of its drafts over all its rows, with each row's draft index a
+    graph input: a draft reads and writes its adapter cache and deep-feature buffers only at its own rows
+    (the others point at the scratch row) and its predictions are kept only there. So the graph depends
+    on which drafts the batch holds, not on how many rows each has, nor their order: one graph per set
+    of drafts, batch bucket, KV bucket and gamma (`DecodeEngine.warmup` captures each draft alone and all
+    of them together). On a GPU a few rows more per draft cost nothing: these GEMMs are latency-bound.
+    Scattered cache rows run padded to a batch-size bucket with the rows as a graph input
+    (`DecodeEngine.run_graph`). Same tokens as the general loop.
     """
     model = eng.model
     device = eng.device
     b = len(slots)
-    # Rows grouped by draft (first-seen order), each group contiguous in the batch.
-    order: dict[int, list[int]] = {}
-    for i, d in enumerate(drafts):
-        order.setdefault(id(d), []).append(i)
-    perm = [i for idx in order.values() for i in idx]
-    slots = [slots[i] for i in perm]
-    groups, start = [], 0
-    for idx in order.values():
-        groups.append((drafts[idx[0]], start, start + len(idx)))
-        start += len(idx)
-    n_trunk = groups[0][0].shared_layers
-    any_deep = any(d.feature_input == "deep" for d, _, _ in groups)
-    capture = feature_layers_of(d for d, _, _ in groups)  # only what this round's drafts fuse in
+    order = sorted({id(d): d for d in drafts}.values(), key=id)  # ascending ids: one graph key per set of drafts
+    ids = {id(d): g for g, d in enumerate(order)}  # draft id -> its index in the graph
+    mixed = len(order) > 1
+    n_trunk = order[0].shared_layers
+    any_deep = any(d.feature_input == "deep" for d in order)
+    capture = feature_layers_of(order)  # only what this round's drafts fuse in
     kv_len = eng.kv_bucket(kv_len)
     draft_kv = eng.draft_kv_len(kv_len)
 
@@ -337,53 +329,68 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     pos0 = torch.tensor([s.length for s in slots], device=device)
     pending = torch.tensor([s.pending for s in slots], device=device)
     inputs = {"pending": pending, "pos0": pos0}
+    if mixed:  # each row's draft (padding rows get draft 0 and the scratch row: nothing of theirs is read)
+        inputs["which"] = torch.tensor([ids[id(d)] for d in drafts], device=device)
     filtered = False
     if not greedy:
         params = [s.request.params for s in slots]
         filtered = needs_filters(params)
         inputs.update(state=stream_state([s.random for s in slots], device), **param_tensors(params, device))
-    last, g0, _ = groups[-1]
-    groups[-1] = (last, g0, eng.batch_bucket(b))  # rows padded to the bucket (if any) join the last group
 
-    def round_all(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
+    def round_all(pending, pos0, rows=rows, which=None, state=None, temperature=None, draft_temperature=None, top_k=None,
+                  top_p=None):
         # Cache rows: the constant slice 0..b-1 or the (padded) rows input; as a tensor for the deep buffers.
         rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=pos0.device)
+        if mixed:  # draft g's rows, the others sent to the scratch row
+            member = [which == g for g in range(len(order))]
+            scratch = torch.full_like(rows_t, eng.scratch_row)
+            own = [torch.where(m, rows_t, scratch) for m in member]
+        else:
+            member, own = [None], [rows]
+
+        def pick(values):
+            """Each row's own draft's value from one tensor per draft (first dim: rows)."""
+            out = values[0]
+            for m, v in zip(member[1:], values[1:]):
+                out = torch.where(m.view(-1, *([1] * (v.dim() - 1))), v, out)
+            return out
+
         tokens, trunks, drafted, draft_probs = pending, [], [], []
-        proxies: list = [None] * len(groups)
+        proxies: list = [None] * len(order)
         ar = torch.arange(pending.shape[0], device=pending.device)
         for j in range(gamma + 1):
             positions = (pos0 + j)[:, None]  # (bucket, 1)
             trunk = model(tokens[:, None], positions, layers=range(0, n_trunk), cache=eng.cache, rows=rows,
                           kv_len=kv_len).hidden  # (bucket, 1, H)
             trunks.append(trunk)
-            if j == gamma and not any(d.feature_input != "deep" for d, _, _ in groups):
+            if j == gamma and not any(d.feature_input != "deep" for d in order):
                 break  # deep drafts only: the next round's window rewrites this position's adapter KV
-            next_tokens = []
-            for g, (draft, a, z) in enumerate(groups):
+            predictions = []
+            for g, draft in enumerate(order):
                 deep = draft.feature_input == "deep"
                 if j == gamma and deep:
                     continue
-                g_rows = rows_t[a:z] if isinstance(rows, torch.Tensor) else slice(a, z)
+                g_rows = own[g]
                 if deep and j == 0:
-                    window, feats, index, win_pos = eng.deep_window(rows_t[a:z], trunk[a:z, 0], pos0[a:z])
+                    g_rows_t = g_rows if isinstance(g_rows, torch.Tensor) else rows_t
+                    window, feats, index, win_pos = eng.deep_window(g_rows_t, trunk[:, 0], pos0)
                     ctx = model.context(win_pos, eng.draft_cache, g_rows, draft_kv)
-                    out = draft.adapters_forward(window, feats, ctx)[ar[: z - a], index]  # (g, H)
+                    out = draft.adapters_forward(window, feats, ctx)[ar, index]  # (bucket, H)
                 else:
-                    ctx = model.context(positions[a:z], eng.draft_cache, g_rows, draft_kv)
-                    out = draft.adapters_forward(trunk[a:z], proxies[g][:, None] if deep else None, ctx)[:, 0]
+                    ctx = model.context(positions, eng.draft_cache, g_rows, draft_kv)
+                    out = draft.adapters_forward(trunk, proxies[g][:, None] if deep else None, ctx)[:, 0]
                 if j == gamma:
                     continue  # last token: adapter KV written, no prediction needed
                 prediction, proxy = draft.predict(out, greedy)  # greedy: token ids; else logits
-                next_tokens.append(prediction)
+                predictions.append(prediction)
                 if deep:
                     proxies[g] = proxy
             if j == gamma:
                 break
             if greedy:
-                tokens = torch.cat(next_tokens)  # (bucket,)
+                tokens = pick(predictions)  # (bucket,)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
-                logits = torch.cat(next_tokens)  # (bucket, V)
-                probs = processed_probs(logits, draft_temperature, top_k, top_p, filtered)
+                probs = processed_probs(pick(predictions), draft_temperature, top_k, top_p, filtered)
                 tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))
                 draft_probs.append(probs)
             drafted.append(tokens)
@@ -400,20 +407,14 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
             res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, state=state, offset=gamma)
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
-            if capture:  # each draft's rows get its own features (the groups cover every row, padding included)
-                feats = torch.cat([draft_features(d, feats[a:z], [c[a:z] for c in out.captured], capture).to(feats.dtype)
-                                   for d, a, z in groups])
+            if capture:  # each row gets its own draft's features
+                feats = pick([draft_features(d, feats, out.captured, capture).to(feats.dtype) for d in order])
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    key = ("greedy-round" if greedy else ("sampled-round", filtered), tuple((a, z) for _, a, z in groups), kv_len,
-           gamma, capture)
-    (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(id(d) for d, _, _ in groups))
+    key = ("greedy-round" if greedy else ("sampled-round", filtered), len(order), kv_len, gamma, capture)
+    (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(ids))
     if not greedy:
         advance([s.random for s in slots], 2 * gamma + 1)
     packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
-    out: list = [None] * b
-    for k, i in enumerate(perm):  # back to the caller's row order
-        acc, fin, drafted = packed[k][0], packed[k][1], packed[k][2:]
-        out[i] = (drafted[:acc] + [fin], acc)
-    return RoundResult([o[0] for o in out], [o[1] for o in out], [gamma] * b, [1] * b)
+    return RoundResult([p[2 : 2 + p[0]] + [p[1]] for p in packed], [p[0] for p in packed], [gamma] * b, [1] * b)

@@ -570,14 +570,41 @@ def test_sampled_plain_decoding_in_multi_step_graphs_matches_one_step_decoding(t
     assert [len(r.token_ids) for r in graphs] == [5, 9, 14, 22]
 
 
-def test_graph_path_sampled_rows_match_the_plain_path(target):
-    """Sampled rows take the per-step graphs (padded when scattered): same seeded tokens as without graphs."""
+@pytest.mark.parametrize("block", [2, 5], ids=["per-piece", "one-graph"])
+def test_graph_path_sampled_rows_match_the_plain_path(target, block):
+    """Sampled rows of three drafts and a plain one: block 2 takes the per-step graphs (padded when
+    scattered), block 5 runs each round of the mixed batch as one graph with every draft over all rows.
+    Same seeded tokens as without graphs."""
     params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=0.8, top_p=0.9, seed=i)
               for i in range(len(LENGTHS))]
     drafts = [noisy(oracle(target), 0.5), oracle(target, deep=True), None, noisy(oracle(target), 0.3)]
-    plain = spec_generate(target, drafts, SpecConfig(5, 2), params=params)
-    emulated = spec_generate(target, drafts, SpecConfig(5, 2), params=params, max_batch_size=8, cuda_graphs="emulate")
+    plain = spec_generate(target, drafts, SpecConfig(5, block), params=params)
+    emulated = spec_generate(target, drafts, SpecConfig(5, block), params=params, max_batch_size=8,
+                             cuda_graphs="emulate")
     assert [r.token_ids for r in emulated] == [r.token_ids for r in plain]
+
+
+def test_a_mixed_round_graph_depends_on_the_set_of_drafts_not_their_rows(target):
+    """Batches of the same two drafts in any proportion and order replay one round graph; a batch of one
+    draft has its own. (Oracle drafts: every row keeps all its rows' pace, so the batch stays 4 rows.)"""
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate")
+    eng.add_draft("a", oracle(target))
+    eng.add_draft("b", oracle(target, deep=True))
+    prompts = prompts_for(target.args.vocab_size, (6, 9, 4, 7))
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=())
+    expected = ar_greedy(target, (6, 9, 4, 7), 12)
+
+    def rounds():
+        return {k for k in eng.graphs.graphs if k[0] == "greedy-round"}
+
+    assert [r.token_ids for r in generate(eng, prompts, params, draft=["a", "b", "b", "b"])] == expected
+    first = rounds()
+    assert len(first) == 1 and next(iter(first))[1] == 2  # one graph, of two drafts
+    for mix in (["b", "a", "a", "b"], ["a", "a", "b", "a"], ["b", "b", "a", "a"]):
+        assert [r.token_ids for r in generate(eng, prompts, params, draft=mix)] == expected
+    assert rounds() == first
+    assert [r.token_ids for r in generate(eng, prompts, params, draft=["b"] * 4)] == expected
+    assert {k[1] for k in rounds() - first} == {1}
 
 
 def test_warmup_captures_the_bucket_shapes_ahead_of_traffic(target):
