@@ -21,6 +21,10 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 estimates in its log line); --unfused-rows ar leaves only plain decoding unfused (with --fused, the
 FlashSpec rows then run on the fused path alone).
 
+The engine rows of a cell run side by side: each is built and warmed up, then their timed passes take
+turns (pass p starts at row p), so a drift of the machine during the cell moves every row alike; the
+plain engine AR row of the unfused table runs first and alone (its outputs are the reference).
+
 --attention NAME runs every row with that attention backend (default sdpa); --attention-compare
 triton[,flex] then runs engine AR and the block-5 rows again with each other backend (on the fused
 path with --fused) and prints a table of the ratios and each backend's decode step.
@@ -34,6 +38,7 @@ import json
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -197,6 +202,11 @@ class Bench:
         self.rows: list[dict] = []
         self.hf = None
         self.fp32 = None
+        self._cell_base: int | None = None  # memory allocated when the interleaved cell began
+
+    def base_bytes(self) -> int:
+        """Memory allocated before a row's engine: at the start of its interleaved cell, else now."""
+        return self._cell_base if self._cell_base is not None else _allocated()
 
     def cell(self, bs: int, kind: str, new: int, greedy: bool) -> tuple[str, list[list[int]], list[str]]:
         """A table cell's label ("bs 1, 512->256, greedy"), its prompts and their domains."""
@@ -251,81 +261,54 @@ class Bench:
         return {"tps": tokens / (time.perf_counter() - t0)}
 
     # ----- engine ---------------------------------------------------------------------------
-    def run_engine(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=True, adaptive=False):
-        from engine.gamma import GammaController
-        from engine.generate import generate
-        from engine.governor import SpeculationGovernor
-        from engine.sampling import SamplingParams
-        from engine.scheduler import DecodeEngine
-        from engine.speculative import SpecConfig
-
-        max_len = max(len(p) for p in prompts) + new + 16
-        gov = SpeculationGovernor(enabled=governor) if governor else None
-        controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
-        eng = DecodeEngine(self.loaded.model, self.tok, max_batch_size=bs, max_seq_len=max_len,
-                           spec=SpecConfig(gamma, block), governor=gov, mixed_round_graph=mixed_round_graph,
-                           gamma=controller)
-        if drafts:
-            for d, draft in drafts.items():
-                eng.add_draft(d, draft)
-        names = [d if drafts else None for d in domains]
-        params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0, seed=None if greedy else 1000 + i,
-                                 eos_token_ids=()) for i in range(len(prompts))]
-        batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
-
-        def once():
-            outs = []
-            for b in batches:
-                outs += generate(eng, [prompts[i] for i in b], [params[i] for i in b], [names[i] for i in b])
-            return outs
-
-        if governor:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
-            eng.calibrate(prompt=prompts[0])
-        once()  # warm-up: captures the CUDA graphs of every shape this workload meets (and trains the controllers)
-        for _ in range(2):
-            # Run 10's bs 8 rows captured 4-5 graphs inside their measured passes although the warm-up pass
-            # ran the same requests (likely: a graph's first call runs its step eagerly, a bf16 near-tie
-            # came out differently there, and later passes took other lengths). Warm up until a pass
-            # captures nothing, at most twice more.
-            before = eng.graphs.captures
-            once()
-            if eng.graphs.captures == before:
-                break
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        rates, captures = [], eng.graphs.captures
-        with GcPauses() as pauses:
-            for _ in range(self.args.passes):  # a short cell is a fraction of a second: the median of several passes
-                t0 = time.perf_counter()
-                outs = once()
-                torch.cuda.synchronize()
-                rates.append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-        rounds = sum(o.stats.rounds for o in outs if o.stats)
-        emitted = sum(o.stats.emitted for o in outs if o.stats)
-        drafted = sum(o.stats.drafted for o in outs if o.stats)
-        accepted = sum(o.stats.accepted for o in outs if o.stats)
-        row = {"tps": statistics.median(rates), "tps_passes": [round(r, 1) for r in rates],
-               "mal": emitted / rounds if rounds else None,
-               "acc": accepted / drafted if drafted else None, "peak_gb": torch.cuda.max_memory_allocated() / 2**30,
-               "outs": [o.token_ids for o in outs], "graphs": len(eng.graphs),
-               "graphs_in_passes": eng.graphs.captures - captures,  # captured inside the measured passes
-               "gc_ms_per_pass": round(pauses.seconds * 1000 / self.args.passes, 2), "gc_full": pauses.full}
-        if governor:  # what it measured and decided from: seconds per token and sample counts per bucket
-            row["governor"] = gov.snapshot()
-        if adaptive:  # rounds per gamma, acceptance survival per draft, round ms per key and gamma
-            row["gamma"] = controller.snapshot()
-        if reference is not None and greedy:
-            agree = total = 0
-            for a, b in zip(row["outs"], reference):
-                n = min(len(a), len(b))
-                first_diff = next((i for i in range(n) if a[i] != b[i]), n)
-                agree += first_diff
-                total += n
-            row["agreement"] = agree / total if total else None
-        if greedy and self.args.fp32_check:
-            row.update(self.fp32_check(prompts, row["outs"]))
+    def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
+                   reference=None, mixed_round_graph=True, adaptive=False) -> "EngineRow":
+        """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`)."""
+        row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
+                        mixed_round_graph, adaptive)
+        row.warm()
         return row
+
+    def run_engine(self, *args, **kwargs) -> dict:
+        """One engine row alone: built, warmed up, its --passes timed back to back."""
+        row = self.engine_row(*args, **kwargs)
+        for _ in range(self.args.passes):
+            row.timed_pass()
+        return row.result()
+
+    def measure_engines(self, setting: str, rows: list[tuple[str, Callable[[], "EngineRow"]]]) -> None:
+        """A cell's engine rows side by side: each built and warmed up in turn, then their timed passes
+        interleaved (pass p runs every row, starting at row p), so a slow drift of the machine (clocks,
+        another process) moves every row of the cell alike instead of the rows measured during it. A row that
+        fails, building or in a pass, is kept as failed with its error and the others go on."""
+        live: list[tuple[str, EngineRow]] = []
+        failed: dict[str, str] = {}
+        self._cell_base = _allocated()
+        try:
+            for name, build in rows:
+                try:
+                    live.append((name, build()))
+                except Exception as exc:  # noqa: BLE001 - reported in the row; the cell goes on
+                    traceback.print_exc()
+                    failed[name] = _error(exc)
+        finally:
+            self._cell_base = None
+        for p in range(self.args.passes):
+            turn = live[p % len(live):] + live[: p % len(live)] if live else []
+            for name, row in turn:
+                if name in failed:
+                    continue
+                try:
+                    row.timed_pass()
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    failed[name] = _error(exc)
+        by_name = dict(live)
+        for name, _ in rows:
+            if name in failed:
+                self.add(setting, name, {"tps": None, "error": failed[name]})
+            else:
+                self.add(setting, name, by_name[name].result())
 
     def add(self, setting, name, row):
         if row is None:
@@ -342,9 +325,138 @@ class Bench:
             row = run()
         except Exception as exc:  # noqa: BLE001 - whatever broke, it is reported in the row and in the log
             traceback.print_exc()
-            row = {"tps": None, "error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"}
+            row = {"tps": None, "error": _error(exc)}
         self.add(setting, name, row)
         return row
+
+
+def _error(exc: Exception) -> str:
+    """A failed row's error: the exception's type and the first line of its message."""
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+
+
+class EngineRow:
+    """One engine row of a cell (`Bench.engine_row`): the engine with its drafts, governor and gamma controller,
+    warmed up; `timed_pass` times one pass over the cell's requests; `result` is the table row.
+
+    Peak memory is this row's own: the most allocated while it was built and warmed up, less what was
+    allocated before it (other rows' engines alive in an interleaved cell), plus what the cell started with
+    (weights, the transformers model if loaded)."""
+
+    def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
+                 mixed_round_graph, adaptive) -> None:
+        from engine.gamma import GammaController
+        from engine.governor import SpeculationGovernor
+        from engine.sampling import SamplingParams
+        from engine.scheduler import DecodeEngine
+        from engine.speculative import SpecConfig
+
+        self.bench, self.prompts, self.greedy, self.reference = bench, prompts, greedy, reference
+        self.governor_on, self.adaptive = governor, adaptive
+        self.base_bytes = bench.base_bytes()
+        self.before_bytes = _allocated()
+        _reset_peak()
+        max_len = max(len(p) for p in prompts) + new + 16
+        self.gov = SpeculationGovernor(enabled=governor) if governor else None
+        self.controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
+        self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
+                                spec=SpecConfig(gamma, block), governor=self.gov, mixed_round_graph=mixed_round_graph,
+                                gamma=self.controller)
+        if drafts:
+            for d, draft in drafts.items():
+                self.eng.add_draft(d, draft)
+        self.names = [d if drafts else None for d in domains]
+        self.params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0,
+                                      seed=None if greedy else 1000 + i, eos_token_ids=()) for i in range(len(prompts))]
+        self.batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
+        self.rates: list[float] = []
+        self.outs: list = []
+        self.pauses = GcPauses()
+        self.captures = 0
+
+    def once(self) -> list:
+        from engine.generate import generate
+
+        outs = []
+        for b in self.batches:
+            outs += generate(self.eng, [self.prompts[i] for i in b], [self.params[i] for i in b],
+                             [self.names[i] for i in b])
+        return outs
+
+    def warm(self) -> None:
+        if self.governor_on:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
+            self.eng.calibrate(prompt=self.prompts[0])
+        self.once()  # warm-up: captures the CUDA graphs of every shape this workload meets (and trains the controllers)
+        for _ in range(2):
+            # Run 10's bs 8 rows captured 4-5 graphs inside their measured passes although the warm-up pass
+            # ran the same requests (likely: a graph's first call runs its step eagerly, a bf16 near-tie
+            # came out differently there, and later passes took other lengths). Warm up until a pass
+            # captures nothing, at most twice more.
+            before = self.eng.graphs.captures
+            self.once()
+            if self.eng.graphs.captures == before:
+                break
+        _sync()
+        self.peak_bytes = _max_allocated() - self.before_bytes + self.base_bytes
+        self.captures = self.eng.graphs.captures
+
+    def timed_pass(self) -> float:
+        """One timed pass over every request (a short cell's pass is a fraction of a second: rows take the
+        median of several)."""
+        _sync()
+        with self.pauses:
+            t0 = time.perf_counter()
+            self.outs = self.once()
+            _sync()
+            rate = sum(len(o.token_ids) for o in self.outs) / (time.perf_counter() - t0)
+        self.rates.append(rate)
+        return rate
+
+    def result(self) -> dict:
+        outs, passes = self.outs, len(self.rates)
+        rounds = sum(o.stats.rounds for o in outs if o.stats)
+        emitted = sum(o.stats.emitted for o in outs if o.stats)
+        drafted = sum(o.stats.drafted for o in outs if o.stats)
+        accepted = sum(o.stats.accepted for o in outs if o.stats)
+        row = {"tps": statistics.median(self.rates), "tps_passes": [round(r, 1) for r in self.rates],
+               "mal": emitted / rounds if rounds else None,
+               "acc": accepted / drafted if drafted else None, "peak_gb": self.peak_bytes / 2**30,
+               "outs": [o.token_ids for o in outs], "graphs": len(self.eng.graphs),
+               "graphs_in_passes": self.eng.graphs.captures - self.captures,  # captured inside the measured passes
+               "gc_ms_per_pass": round(self.pauses.seconds * 1000 / max(passes, 1), 2), "gc_full": self.pauses.full}
+        if self.governor_on:  # what it measured and decided from: seconds per token and sample counts per bucket
+            row["governor"] = self.gov.snapshot()
+        if self.adaptive:  # rounds per gamma, acceptance survival per draft, round ms per key and gamma
+            row["gamma"] = self.controller.snapshot()
+        if self.reference is not None and self.greedy:
+            agree = total = 0
+            for a, b in zip(row["outs"], self.reference):
+                n = min(len(a), len(b))
+                first_diff = next((i for i in range(n) if a[i] != b[i]), n)
+                agree += first_diff
+                total += n
+            row["agreement"] = agree / total if total else None
+        if self.greedy and self.bench.args.fp32_check:
+            row.update(self.bench.fp32_check(self.prompts, row["outs"]))
+        return row
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _allocated() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _max_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _reset_peak() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 def load_drafts(folder: str | None, target) -> dict:
@@ -442,26 +554,27 @@ def cost_model(gamma: int = 5, acceptance: list[float] | None = None, fused: str
     return lines
 
 
-def best_rows(bench: Bench, setting: str, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> None:
-    """The best drafts at each block size (gamma 5), at each of --gammas (one verify a round), with the adaptive
-    gamma controller (--adaptive-gamma, with and without the governor), and block 5 under the governor;
-    workload = (prompts, domains, new, greedy, bs)."""
-    for block in blocks:
-        bench.measure(setting, f"FlashSpec best drafts, block {block}{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=block, reference=ref))
-    for gamma in bench.args.gammas:
-        bench.measure(setting, f"FlashSpec best drafts, gamma {gamma}{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=gamma, gamma=gamma, reference=ref))
+def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", blocks=(5, 2)) -> list[tuple]:
+    """(name, build) for the best drafts at each block size (gamma 5), at each of --gammas (one verify a round),
+    with the adaptive gamma controller (--adaptive-gamma, with and without the governor), mixed batches in the
+    general loop (batches of several drafts), and block 5 under the governor; workload = (prompts, domains,
+    new, greedy, bs). `Bench.measure_engines` runs them."""
+    rows = [(f"FlashSpec best drafts, block {block}{suffix}",
+             lambda block=block: bench.engine_row(*workload, best, block=block, reference=ref)) for block in blocks]
+    rows += [(f"FlashSpec best drafts, gamma {gamma}{suffix}",
+              lambda gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma, reference=ref))
+             for gamma in bench.args.gammas]
     if bench.args.adaptive_gamma:
-        bench.measure(setting, f"FlashSpec best drafts, adaptive gamma{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=5, adaptive=True, reference=ref))
-        bench.measure(setting, f"FlashSpec best drafts, adaptive gamma, governor{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=5, adaptive=True, governor=True, reference=ref))
+        rows += [(f"FlashSpec best drafts, adaptive gamma{suffix}",
+                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, reference=ref)),
+                 (f"FlashSpec best drafts, adaptive gamma, governor{suffix}",
+                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref))]
     if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: a graph per piece
-        bench.measure(setting, f"FlashSpec best drafts, block 5, mixed batches in the general loop{suffix}",
-                      lambda: bench.run_engine(*workload, best, block=5, reference=ref, mixed_round_graph=False))
-    bench.measure(setting, f"FlashSpec best drafts, block 5, governor{suffix}",
-                  lambda: bench.run_engine(*workload, best, block=5, governor=True, reference=ref))
+        rows.append((f"FlashSpec best drafts, block 5, mixed batches in the general loop{suffix}",
+                     lambda: bench.engine_row(*workload, best, block=5, reference=ref, mixed_round_graph=False)))
+    rows.append((f"FlashSpec best drafts, block 5, governor{suffix}",
+                 lambda: bench.engine_row(*workload, best, block=5, governor=True, reference=ref)))
+    return rows
 
 
 def fused_settings(args, settings: list) -> list:
@@ -489,14 +602,15 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
     for bs, kind, new, greedy in settings:
         setting, prompts, domains = bench.cell(bs, kind, new, greedy)
         ref = refs[setting]
-        bench.measure(setting, "engine AR (fused)",
-                      lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
+        workload = (prompts, domains, new, greedy, bs)
+        rows = [("engine AR (fused)", lambda: bench.engine_row(*workload, None, reference=ref))]
         if best:
-            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, " (fused)", args.blocks)
+            rows += best_rows(bench, workload, best, ref, " (fused)", args.blocks)
         else:
-            for block, label in ((2, "block 2"), (5, "block gamma")):
-                bench.measure(setting, f"FlashSpec {kind_name}, {label} (fused)",
-                              lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=block, reference=ref))
+            rows += [(f"FlashSpec {kind_name}, {label} (fused)",
+                      lambda block=block: bench.engine_row(*workload, seed, block=block, reference=ref))
+                     for block, label in ((2, "block 2"), (5, "block gamma"))]
+        bench.measure_engines(setting, rows)
     layers = target.args.num_layers
     fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
     per_layer = lambda k: k / layers if k is not None else None  # noqa: E731
@@ -546,10 +660,11 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
         for bs, kind, new, greedy in settings:
             setting, prompts, domains = bench.cell(bs, kind, new, greedy)
             ref = refs[setting]
-            bench.measure(setting, f"engine AR{suffix}",
-                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, None, reference=ref))
+            workload = (prompts, domains, new, greedy, bs)
+            rows = [(f"engine AR{suffix}", lambda: bench.engine_row(*workload, None, reference=ref))]
             if best:
-                best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, suffix, (5,))
+                rows += best_rows(bench, workload, best, ref, suffix, (5,))
+            bench.measure_engines(setting, rows)
     target.set_attention_backend(args.attention)
     fmt = lambda v, f="{:.2f}": f.format(v) if v is not None else "-"  # noqa: E731
     lines = ["", f"Attention backends (model.set_attention_backend) against {args.attention}, same run"
@@ -677,13 +792,16 @@ def main() -> None:
         ar = bench.measure(setting, "engine AR", lambda: bench.run_engine(prompts, domains, new, greedy, bs, None))
         ref = ar.get("outs")  # None when the AR row failed: the other rows then go unchecked against it
         refs[setting] = ref
+        workload = (prompts, domains, new, greedy, bs)
+        rows = []  # interleaved with each other (engine AR ran first: its outputs are what they are checked against)
         if not args.skip_seed:
-            bench.measure(setting, "FlashSpec seed-default shape, block 2",
-                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=2, reference=ref))
-            bench.measure(setting, "FlashSpec seed-default shape, block gamma",
-                          lambda: bench.run_engine(prompts, domains, new, greedy, bs, seed, block=5, reference=ref))
+            rows += [(f"FlashSpec seed-default shape, {label}",
+                      lambda block=block: bench.engine_row(*workload, seed, block=block, reference=ref))
+                     for block, label in ((2, "block 2"), (5, "block gamma"))]
         if best and args.unfused_rows == "all":
-            best_rows(bench, setting, (prompts, domains, new, greedy, bs), best, ref, blocks=args.blocks)
+            rows += best_rows(bench, workload, best, ref, blocks=args.blocks)
+        if rows:
+            bench.measure_engines(setting, rows)
         if args.out:  # the table so far, so a run stopped by a time limit still leaves one
             Path(args.out).write_text("\n".join(main_table(bench, args)) + "\n(partial: the run goes on)\n")
     fused_lines = run_fused(bench, args, settings, refs, best, seed) if args.fused else []

@@ -88,3 +88,46 @@ def test_short_cells_run_more_requests_than_long_ones():
     assert len(short) == 24 and domains.count("code") == 8 and len({tuple(p) for p in short}) == 24
     with pytest.raises(SystemExit, match="16 per domain"):
         pick_prompts(data, "short", 1, short_prompts=60)
+
+
+def test_a_cells_engine_rows_take_their_passes_in_turn_and_a_broken_one_is_kept(tiny_target, monkeypatch):
+    """bench.gpu's interleaved cell, on the CPU with a tiny model: every row built and warmed up first, then
+    pass p runs every row starting at row p; a row failing in a pass keeps its error, the others go on."""
+    import argparse
+
+    from bench.gpu import Bench, EngineRow
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=3, fp32_check=False, gammas=(), adaptive_gamma=False)
+    bench.loaded = tiny_target
+    bench.tok = None
+    bench.rows, bench._cell_base = [], None
+    order = []
+    real = EngineRow.timed_pass
+
+    def spy(self):
+        order.append(self.label)
+        if self.label == "broken" and len([o for o in order if o == "broken"]) == 2:
+            raise RuntimeError("lost the device\ndetails")
+        return real(self)
+
+    monkeypatch.setattr(EngineRow, "timed_pass", spy)
+    prompts, domains = [[5, 6, 7], [8, 9, 10, 11]], ["code", "code"]
+
+    def build(label, **kw):
+        row = bench.engine_row(prompts, domains, 6, True, 2, None, **kw)
+        row.label = label
+        return row
+
+    def unbuildable():
+        raise ValueError("no such draft")
+
+    bench.measure_engines("bs 2", [("a", lambda: build("a")), ("b", lambda: build("b", block=5)),
+                                   ("unbuildable", unbuildable), ("broken", lambda: build("broken"))])
+    # Pass 0 from row 0, pass 1 from row 1 (where "broken" fails), pass 2 from row 2 (skipped: failed).
+    assert order == ["a", "b", "broken", "b", "broken", "a", "a", "b"]
+    rows = {r["name"]: r for r in bench.rows}
+    assert [r["name"] for r in bench.rows] == ["a", "b", "unbuildable", "broken"]
+    assert len(rows["a"]["tps_passes"]) == 3 and rows["a"]["tps"] > 0 and rows["b"]["tps"] > 0
+    assert rows["unbuildable"]["error"] == "ValueError: no such draft"
+    assert rows["broken"]["tps"] is None and rows["broken"]["error"] == "RuntimeError: lost the device"
