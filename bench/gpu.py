@@ -7,7 +7,8 @@ with the seed-default draft shape (block 2 and block gamma), FlashSpec with the 
 (and with the speculation governor). Settings: batch 1 and 8; 512->256 and 32->20 tokens; greedy and
 T=1. Held-out prompts: bench/data/gpu_prompts.json (test splits of the three domains; each row
 drafts with its own domain's draft; 6 long and 24 short requests per cell by default, `--long-prompts`,
-`--short-prompts`). Then a cost-model table on a 7B-shaped random-weight Llama,
+`--short-prompts`; the engine runs them bs at a time with continuous batching, transformers in static
+batches of bs). Then a cost-model table on a 7B-shaped random-weight Llama,
 labelled as a projection. Tokens/s count new tokens over wall time, prefill included.
 
 --fused: after all the rows above (fusing is in place), the target is fused for inference
@@ -368,20 +369,17 @@ class EngineRow:
         self.names = [d if drafts else None for d in domains]
         self.params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0,
                                       seed=None if greedy else 1000 + i, eos_token_ids=()) for i in range(len(prompts))]
-        self.batches = [list(range(i, min(i + bs, len(prompts)))) for i in range(0, len(prompts), bs)]
         self.rates: list[float] = []
         self.outs: list = []
         self.pauses = GcPauses()
         self.captures = 0
 
     def once(self) -> list:
+        """Every request of the cell, at most bs at a time; a finished request's row takes the next waiting one
+        (continuous batching, as the server runs: rows of a speculative batch finish at different rounds)."""
         from engine.generate import generate
 
-        outs = []
-        for b in self.batches:
-            outs += generate(self.eng, [self.prompts[i] for i in b], [self.params[i] for i in b],
-                             [self.names[i] for i in b])
-        return outs
+        return generate(self.eng, self.prompts, self.params, self.names)
 
     def warm(self) -> None:
         if self.governor_on:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
