@@ -263,10 +263,10 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=True, adaptive=False) -> "EngineRow":
+                   reference=None, mixed_round_graph=True, adaptive=False, overlap=False) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                        mixed_round_graph, adaptive)
+                        mixed_round_graph, adaptive, overlap)
         row.warm()
         return row
 
@@ -345,7 +345,7 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive) -> None:
+                 mixed_round_graph, adaptive, overlap=False) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -362,7 +362,7 @@ class EngineRow:
         self.controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
                                 spec=SpecConfig(gamma, block), governor=self.gov, mixed_round_graph=mixed_round_graph,
-                                gamma=self.controller)
+                                gamma=self.controller, overlap=overlap)
         if drafts:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
@@ -601,7 +601,8 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
         setting, prompts, domains = bench.cell(bs, kind, new, greedy)
         ref = refs[setting]
         workload = (prompts, domains, new, greedy, bs)
-        rows = [("engine AR (fused)", lambda: bench.engine_row(*workload, None, reference=ref))]
+        rows = [("engine AR (fused)", lambda: bench.engine_row(*workload, None, reference=ref)),
+                ("engine AR (fused, overlapped)", lambda: bench.engine_row(*workload, None, reference=ref, overlap=True))]
         if best:
             rows += best_rows(bench, workload, best, ref, " (fused)", args.blocks)
         else:

@@ -64,6 +64,7 @@ def generate(engine: DecodeEngine, prompts: list[list[int]], params: SamplingPar
             if out.finished:
                 finals[out.request_id] = out
                 end_at[out.request_id] = now
+    engine.settle()  # an overlapped call launched for rows that have all stopped since: nothing of it is wanted
     results = []
     for rid in ids:
         out = finals[rid]
@@ -90,3 +91,4 @@ def stream(engine: DecodeEngine, prompt_ids: list[int], params: SamplingParams |
                         return
     finally:
         engine.cancel(rid)
+        engine.settle()

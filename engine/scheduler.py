@@ -44,6 +44,7 @@ class DecodeEngine:
         mixed_round_graph: bool = True,
         min_admit: int = 1,
         gamma: GammaController | None = None,
+        overlap: bool = False,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -60,7 +61,11 @@ class DecodeEngine:
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.
         gamma: picks each round's drafted tokens (1 .. spec.num_speculative_tokens) from measured acceptance
-        and round costs (`engine.gamma`); default: every round drafts spec.num_speculative_tokens."""
+        and round costs (`engine.gamma`); default: every round drafts spec.num_speculative_tokens.
+        overlap: with graphs, a batch decoding plainly launches its next graph call (from this call's tokens,
+        still on the device) before the host reads this call's tokens, so the host's work (the transfer,
+        stop conditions, detokenizing, the scheduler) runs while the GPU decodes (`_resolve_ahead`). Same
+        tokens; a row that stops meanwhile has the call's work for it discarded."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit
@@ -81,6 +86,8 @@ class DecodeEngine:
         self.device = self.cache.k[0].device
         self.dtype = weight.dtype
         self.mixed_round_graph = mixed_round_graph
+        self.overlap = overlap
+        self._ahead: _Ahead | None = None  # a plain-decoding call launched before its batch's last one was read
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
@@ -262,11 +269,13 @@ class DecodeEngine:
         return sum(s is not None for s in self.slots)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.num_running > 0
+        return bool(self.waiting) or self.num_running > 0 or self._ahead is not None
 
     # ----- the step -----------------------------------------------------------------------
     @torch.no_grad()  # decoding never needs autograd, whatever the weights' requires_grad (a draft in training)
     def step(self) -> list[RequestOutput]:
+        if self._ahead is not None:
+            return self._resolve_ahead()
         outputs: list[RequestOutput] = []
         admitted = self._admit()
         outputs.extend(admitted)
@@ -458,14 +467,13 @@ class DecodeEngine:
         tokens = torch.tensor([[s.pending] for s in batch], device=device)  # (b, 1)
         graph_steps = min(self.ar_steps_per_sync, self.margin)  # a fixed count: one graph per bucket, not per count
         if self.graphs.enabled:
-            kv_len = int(max(s.length for s in batch)) + graph_steps
-            if all(s.request.params.greedy for s in batch):
-                new = self._ar_greedy_graph(tokens, pos, rows, graph_steps, kv_len)
+            out = self._ar_graph(batch, tokens, pos, rows, graph_steps, steps, ahead_by=0)
+            if self._may_overlap(batch, graph_steps):
+                host, ready = _fetch(out)
+                self._ahead = _Ahead(batch, *self._launch_ahead(batch, out, pos, rows, graph_steps), graph_steps)
+                new = _read(host, ready)
             else:
-                new = self._ar_sampled_graph(batch, tokens, pos, rows, graph_steps, kv_len)
-                # Draw i of each row samples its i-th token: count only the kept ones, so the next call
-                # draws for the next token exactly what the one-step path would.
-                advance([s.random for s in batch], steps)
+                new = out.tolist()
             return [row[:steps] for row in new], steps == graph_steps  # steps past `steps` wrote KV inside the margin
         new = []
         for i in range(steps):
@@ -476,7 +484,72 @@ class DecodeEngine:
             pos = pos + 1
         return torch.cat(new, dim=1).tolist(), True
 
-    def _ar_greedy_graph(self, tokens, pos, rows, steps: int, kv_len: int) -> list[list[int]]:
+    def _ar_graph(self, batch, tokens, pos, rows, graph_steps: int, kept: int, ahead_by: int) -> torch.Tensor:
+        """A plain-decoding graph call of `graph_steps` steps from tokens (b, 1) at positions pos (b, 1), both
+        on the device, `ahead_by` positions past the rows' committed lengths -> (b, graph_steps) tokens on the
+        device. Sampled rows' streams advance by the `kept` tokens."""
+        kv_len = int(max(s.length for s in batch)) + ahead_by + graph_steps
+        if all(s.request.params.greedy for s in batch):
+            return self._ar_greedy_graph(tokens, pos, rows, graph_steps, kv_len)
+        out = self._ar_sampled_graph(batch, tokens, pos, rows, graph_steps, kv_len)
+        # Draw i of each row samples its i-th token: count only the kept ones, so the next call draws for the
+        # next token exactly what the one-step path would.
+        advance([s.random for s in batch], kept)
+        return out
+
+    def _may_overlap(self, batch: list[SlotState], graph_steps: int) -> bool:
+        """Whether to launch the batch's next call (positions graph_steps .. 2 graph_steps - 1 past the committed
+        lengths) before reading the one in flight (positions 0 .. graph_steps - 1): overlap is on, the batch is
+        every running row (no speculating ones, no request waiting for a free row), and every row will still
+        want all of both calls' tokens and has the context for them, so the call is exactly what the next step
+        would have run (only a stop token or string can make its work for a row unwanted)."""
+        if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
+            return False
+        if self.waiting and self.num_running < self.max_batch_size:
+            return False
+        span = 2 * graph_steps
+        return all(s.draft is None and self.slots[s.slot] is s
+                   and s.request.params.max_new_tokens - len(s.output_ids) >= span
+                   and s.length + span <= self.max_seq_len - 1 for s in batch)
+
+    def _launch_ahead(self, batch, out: torch.Tensor, pos: torch.Tensor, rows, graph_steps: int):
+        """Launch the batch's next call from the tokens (b, graph_steps) of the one in flight (on the device), which
+        started at the committed lengths, pos (b, 1); its tokens' copy to the host is queued behind it.
+        -> (tokens, host copy, ready event, its positions, rows)."""
+        next_pos = pos + graph_steps
+        nxt = self._ar_graph(batch, out[:, -1:], next_pos, rows, graph_steps, graph_steps, ahead_by=graph_steps)
+        return (nxt, *_fetch(nxt), next_pos, rows)
+
+    def _resolve_ahead(self) -> list[RequestOutput]:
+        """The step after an overlapped call was launched: chain the next call onto it while the batch is
+        unchanged (`_may_overlap`), then read its tokens and commit them for the rows still running (a row
+        that stopped, or was cancelled, since the call was launched has its tokens dropped)."""
+        ahead, self._ahead = self._ahead, None
+        t0, cold = time.perf_counter(), self._cold_events()
+        batch = ahead.batch
+        if self._may_overlap(batch, ahead.steps):
+            self._ahead = _Ahead(batch, *self._launch_ahead(batch, ahead.tokens, ahead.pos, ahead.rows, ahead.steps),
+                                 ahead.steps)
+        new = _read(ahead.host, ahead.ready)
+        outputs, kept = [], 0
+        for s, toks in zip(batch, new):
+            if self.slots[s.slot] is not s:
+                continue  # stopped or cancelled after this call was launched: its tokens are past its end
+            s.length += len(toks)
+            kept += len(toks)
+            outputs.append(self._commit(s, toks))
+        if self._cold_events() == cold and len(outputs) == len(batch):
+            self.governor.observe_ar(len(batch), time.perf_counter() - t0, kept)
+        return outputs
+
+    def settle(self) -> None:
+        """Drop an overlapped call none of whose rows still runs (all stopped meanwhile): nothing of it is
+        wanted, and the engine then has no work left. `generate` calls it when its requests are done."""
+        if self._ahead is not None and not any(self.slots[s.slot] is s for s in self._ahead.batch):
+            _read(self._ahead.host, self._ahead.ready)
+            self._ahead = None
+
+    def _ar_greedy_graph(self, tokens, pos, rows, steps: int, kv_len: int) -> torch.Tensor:
         """`steps` greedy decoding steps as one CUDA graph (argmax fed back on the device), one transfer.
 
         Always `ar_steps_per_sync` steps (capped by the cache margin), even when a row needs fewer: the
@@ -495,9 +568,9 @@ class DecodeEngine:
             return (torch.cat(new, dim=1),)
 
         (new,) = self.run_graph(("ar-greedy", steps, kv_len), fn, rows, {"tokens": tokens, "input_pos": pos})
-        return new.tolist()
+        return new
 
-    def _ar_sampled_graph(self, batch, tokens, pos, rows, steps: int, kv_len: int) -> list[list[int]]:
+    def _ar_sampled_graph(self, batch, tokens, pos, rows, steps: int, kv_len: int) -> torch.Tensor:
         """`steps` sampled decoding steps as one CUDA graph: each row's temperature, top-k, top-p and random
         stream state are graph inputs, step i draws the row's i-th number (as `_sample_device` would)."""
         kv_len = self.kv_bucket(kv_len)
@@ -520,7 +593,7 @@ class DecodeEngine:
         inputs = {"tokens": tokens, "input_pos": pos, "state": stream_state([s.random for s in batch], device),
                   "temperature": t["temperature"], "top_k": t["top_k"], "top_p": t["top_p"]}
         (new,) = self.run_graph(("ar-sampled", steps, kv_len, filtered), fn, rows, inputs)
-        return new.tolist()
+        return new
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
     def kv_bucket(self, kv_len: int) -> int:
@@ -695,3 +768,34 @@ class DecodeEngine:
             stats=s.stats if s.stats.rounds else None,
             draft=s.request.draft if s.stats.rounds else None,
         )
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A plain-decoding graph call launched before the host read its batch's previous call (`overlap`)."""
+
+    batch: list  # the SlotStates it decodes, in row order
+    tokens: torch.Tensor  # (b, steps) its tokens, on the device
+    host: torch.Tensor  # their copy in host memory, complete once `ready` is
+    ready: object  # CUDA event recorded after the copy (None when the copy was synchronous)
+    pos: torch.Tensor  # (b, 1) the position of its first step
+    rows: object  # the batch's cache rows
+    steps: int
+
+
+def _fetch(tokens: torch.Tensor):
+    """Queue tokens' copy to the host behind the work that makes them -> (host tensor, event); on CUDA the copy
+    lands in pinned memory without stopping the host, whose later launches then run behind it."""
+    if not tokens.is_cuda:
+        return tokens.clone(), None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _read(host: torch.Tensor, ready) -> list:
+    if ready is not None:
+        ready.synchronize()
+    return host.tolist()

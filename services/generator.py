@@ -91,7 +91,8 @@ class GeneratorCore:
             engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
                                   max_seq_len=self.args.max_seq_len, spec=spec,
                                   governor=SpeculationGovernor(enabled=self.args.governor),
-                                  gamma=GammaController(spec.num_speculative_tokens, enabled=self.args.adaptive_gamma))
+                                  gamma=GammaController(spec.num_speculative_tokens, enabled=self.args.adaptive_gamma),
+                                  overlap=self.args.overlap)
             if self.args.governor:
                 engine.calibrate()  # the governor's plain-decoding cost before the first request
         except Exception as exc:  # the replica fails to start and Serve reports why

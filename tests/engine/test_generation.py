@@ -162,3 +162,72 @@ def test_min_admit_groups_admissions_into_fewer_prefills(tiny_target, monkeypatc
     assert len(grouped_sizes) < len(one_sizes) / 2, (grouped_sizes, one_sizes)
     with pytest.raises(ValueError, match="min_admit"):
         DecodeEngine(tiny_target.model, None, min_admit=0)
+
+
+# ----- overlapped plain decoding (DecodeEngine(overlap=True); graphs emulated on the CPU) ------------------
+
+
+def _overlapped(loaded, batch: int = 3, overlap: bool = True, **kw) -> DecodeEngine:
+    eng = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=batch, max_seq_len=128, cuda_graphs="emulate",
+                       ar_steps_per_sync=4, overlap=overlap, **kw)
+    eng.resolved = 0
+    real = eng._resolve_ahead
+
+    def counted():
+        eng.resolved += 1
+        return real()
+
+    eng._resolve_ahead = counted
+    return eng
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_overlapped_calls_give_the_same_tokens_text_and_stops(tiny_target, sampled):
+    """Each call's successor launched before its tokens are read: the same tokens and text as one call at a
+    time, rows of different lengths, an EOS and a stop string met mid-call (their rows' work in the call
+    launched meanwhile is dropped), and nothing left running."""
+    prompts = _prompts(tiny_target.args.vocab_size, (3, 11, 6))
+    base = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=0.9 if sampled else 0.0, seed=i)
+            for i, n in enumerate((30, 23, 41))]
+    full = generate(_overlapped(tiny_target, overlap=False), prompts, base)
+    eos = full[0].token_ids[13]  # row 0 stops there (or earlier, where that token came first)
+    words = full[2].text.split(" ")
+    stop = " ".join(words[4:6]) if len(words) > 6 else full[2].text[10:14]
+    params = [SamplingParams(max_new_tokens=30, eos_token_ids=(eos,), temperature=base[0].temperature, seed=0), base[1],
+              SamplingParams(max_new_tokens=41, eos_token_ids=(), temperature=base[2].temperature, seed=2, stop=(stop,))]
+    one_at_a_time = generate(_overlapped(tiny_target, overlap=False), prompts, params)
+    eng = _overlapped(tiny_target)
+    overlapped = generate(eng, prompts, params)
+    assert [r.token_ids for r in overlapped] == [r.token_ids for r in one_at_a_time]
+    assert [r.text for r in overlapped] == [r.text for r in one_at_a_time]
+    assert [r.finish_reason for r in overlapped] == [r.finish_reason for r in one_at_a_time] == ["stop", "length", "stop"]
+    assert eng.resolved >= 2 and not eng.has_work()
+
+
+def test_an_overlapped_batch_makes_way_for_a_waiting_request_and_a_cancelled_row(tiny_target):
+    """A request arriving while a call is in flight is admitted at the next step (the chain stops for it) and
+    is unaffected; a row cancelled with a call in flight loses that call's tokens, the others keep theirs."""
+    prompts = _prompts(tiny_target.args.vocab_size, (9, 4, 14))
+    params = SamplingParams(max_new_tokens=30, eos_token_ids=())
+    alone = [generate(_engine(tiny_target, batch=1), [p], params)[0].token_ids for p in prompts]
+    eng = _overlapped(tiny_target)
+    eng.add_request(Request("a", prompts[0], params))
+    eng.add_request(Request("b", prompts[1], params))
+    got = {"a": [], "b": [], "c": []}
+    admitted_at = None
+    for step in range(60):
+        if step == 3:
+            assert eng._ahead is not None  # a call in flight
+            eng.add_request(Request("c", prompts[2], params))
+        if step == 5:
+            assert eng.cancel("b")
+        for out in eng.step():
+            got[out.request_id].extend(out.token_ids)
+            if out.request_id == "c" and admitted_at is None:
+                admitted_at = step
+        if not eng.has_work():
+            break
+    assert admitted_at is not None and admitted_at <= 4  # at most one step behind the call in flight
+    assert got["a"] == alone[0] and got["c"] == alone[2]
+    assert got["b"] == alone[1][: len(got["b"])] and len(got["b"]) < 30
+    assert eng.resolved > 0 and not eng.has_work()

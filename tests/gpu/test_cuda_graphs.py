@@ -178,3 +178,23 @@ def test_a_collection_inside_a_capture_does_not_free_another_graph():
     finally:
         gc.set_threshold(*threshold)
         gc.collect()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_overlapped_plain_decoding_matches_one_call_at_a_time(temperature):
+    """DecodeEngine(overlap=True): the next 4-step graph launched from the last one's tokens on the device, their
+    copy to pinned memory read behind it; an EOS mid-way drops a row's work in the call in flight."""
+    target = tiny_target(torch.float32)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    base = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=temperature, seed=i)
+            for i, n in enumerate((40, 29, 52))]
+    plain = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128)
+    eos = generate(plain, prompts, base)[1].token_ids[17]
+    params = [base[0], SamplingParams(max_new_tokens=29, eos_token_ids=(eos,), temperature=temperature, seed=1), base[2]]
+    want = [r.token_ids for r in generate(DecodeEngine(target, None, max_batch_size=3, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128, overlap=True)
+    launched = []
+    real = eng._launch_ahead
+    eng._launch_ahead = lambda *a: launched.append(1) or real(*a)
+    assert [r.token_ids for r in generate(eng, prompts, params)] == want
+    assert len(launched) >= 3 and not eng.has_work()
