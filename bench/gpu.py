@@ -18,8 +18,9 @@ again as "... (fused)" rows, each with its ratio to the same row unfused; plus t
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round); --adaptive-gamma adds rows with
-`engine.gamma`'s controller, alone and with the governor (each prints the controller's choices and
-estimates in its log line); --unfused-rows ar leaves only plain decoding unfused (with --fused, the
+`engine.gamma`'s controller, alone and with the governor, each also overlapped (`DecodeEngine(overlap=True)`;
+each prints the controller's choices and estimates in its log line); the fused rows include plain decoding
+overlapped; --unfused-rows ar leaves only plain decoding unfused (with --fused, the
 FlashSpec rows then run on the fused path alone).
 
 The engine rows of a cell run side by side: each is built and warmed up, then their timed passes take
@@ -566,7 +567,12 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
         rows += [(f"FlashSpec best drafts, adaptive gamma{suffix}",
                   lambda: bench.engine_row(*workload, best, block=5, adaptive=True, reference=ref)),
                  (f"FlashSpec best drafts, adaptive gamma, governor{suffix}",
-                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref))]
+                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref)),
+                 (f"FlashSpec best drafts, adaptive gamma, overlapped{suffix}",
+                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, reference=ref, overlap=True)),
+                 (f"FlashSpec best drafts, adaptive gamma, governor, overlapped{suffix}",
+                  lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
+                                           overlap=True))]
     if workload[4] > 1 and len({id(d) for d in best.values()}) > 1:  # batches mixing drafts: a graph per piece
         rows.append((f"FlashSpec best drafts, block 5, mixed batches in the general loop{suffix}",
                      lambda: bench.engine_row(*workload, best, block=5, reference=ref, mixed_round_graph=False)))

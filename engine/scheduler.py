@@ -24,7 +24,8 @@ from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
                              stream_state, uniform_at)
-from engine.speculative import Draft, SpecConfig, draft_features, feature_layers_of, spec_round
+from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, launch_round,
+                                round_result, spec_round)
 from engine.text import TextStream
 from engine.triton_kernels import argmax
 
@@ -62,10 +63,10 @@ class DecodeEngine:
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.
         gamma: picks each round's drafted tokens (1 .. spec.num_speculative_tokens) from measured acceptance
         and round costs (`engine.gamma`); default: every round drafts spec.num_speculative_tokens.
-        overlap: with graphs, a batch decoding plainly launches its next graph call (from this call's tokens,
-        still on the device) before the host reads this call's tokens, so the host's work (the transfer,
-        stop conditions, detokenizing, the scheduler) runs while the GPU decodes (`_resolve_ahead`). Same
-        tokens; a row that stops meanwhile has the call's work for it discarded."""
+        overlap: with graphs, a batch launches its next graph call (plain decoding steps, or a captured
+        speculative round) from this call's outcome, still on the device, before the host reads it, so the
+        host's work (the transfer, stop conditions, detokenizing, the scheduler) runs while the GPU decodes
+        (`_resolve_ahead`). Same tokens; a row that stops meanwhile has the call's work for it discarded."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit
@@ -87,7 +88,8 @@ class DecodeEngine:
         self.dtype = weight.dtype
         self.mixed_round_graph = mixed_round_graph
         self.overlap = overlap
-        self._ahead: _Ahead | None = None  # a plain-decoding call launched before its batch's last one was read
+        self._ahead: _Ahead | None = None  # a call launched before its batch's last one was read (`overlap`)
+        self._round_clock = 0.0  # when the host last read a speculative round's outcome
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
@@ -108,6 +110,7 @@ class DecodeEngine:
     # ----- drafts -------------------------------------------------------------------------
     def add_draft(self, name: str, draft: Draft) -> None:
         """Register (or replace) a draft under `name`. Running requests keep the draft they started with."""
+        self._wait_ahead()  # an overlapped round in flight may run the graphs replacing a draft drops
         for other_name, other in self.drafts.items():
             if other_name != name and other.shared_layers != draft.shared_layers:
                 raise ValueError(
@@ -140,6 +143,7 @@ class DecodeEngine:
         self.drafts[name] = draft
 
     def remove_draft(self, name: str) -> None:
+        self._wait_ahead()
         old = self.drafts.pop(name, None)
         if old is not None:
             self.graphs.discard(id(old))
@@ -295,17 +299,12 @@ class DecodeEngine:
             ar_tokens = sum(len(t) for t in new)
         t1 = time.perf_counter()
         if spec_rows:
-            if not self.gamma.enabled:
-                result = spec_round(self, spec_rows, [s.draft for s in spec_rows], self.spec)
-            else:
-                result = self._adaptive_round(spec_rows, t1)
+            result = self._spec_round(spec_rows, t1)
         if running and self._cold_events() == cold:
             now = time.perf_counter()
             if spec_rows:
-                seconds = self.governor.spec_step_seconds(len(running), now - t0, now - t1, ar_tokens)
-                if seconds is not None:
-                    for name in {s.request.draft for s in spec_rows}:
-                        self.governor.observe_spec(name or "", len(running), seconds, sum(map(len, result.tokens)))
+                self._observe_round(spec_rows, result, len(running),
+                                    self.governor.spec_step_seconds(len(running), now - t0, now - t1, ar_tokens))
             elif full:
                 self.governor.observe_ar(len(running), now - t0, ar_tokens)
         if ar_rows:
@@ -313,17 +312,35 @@ class DecodeEngine:
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
         if spec_rows:
-            for i, s in enumerate(spec_rows):
-                s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
-                s.length += result.num_accepted[i] + 1
-                outputs.append(self._commit(s, result.tokens[i]))
-                if (self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
-                        and not self.governor.keep_speculating(s.request.draft or "", len(running))):
-                    s.draft = None  # speculation does not pay here: plain decoding from the next step on
+            outputs += self._commit_round(spec_rows, result, len(running))
         return outputs
 
-    def _adaptive_round(self, spec_rows: list[SlotState], t0: float):
-        """A round at the gamma controller's choice (`engine.gamma`), reported back to it."""
+    def _commit_round(self, spec_rows: list[SlotState], result, running: int) -> list[RequestOutput]:
+        """A round's tokens and statistics for its rows still running; the governor may turn a row's speculation
+        off from the next step on."""
+        outputs = []
+        for i, s in enumerate(spec_rows):
+            if self.slots[s.slot] is not s:
+                continue  # stopped or cancelled while an overlapped round ran: its tokens are past its end
+            s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
+            s.length += result.num_accepted[i] + 1
+            outputs.append(self._commit(s, result.tokens[i]))
+            if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
+                    and not self.governor.keep_speculating(s.request.draft or "", running)):
+                s.draft = None  # speculation does not pay here: plain decoding from the next step on
+        return outputs
+
+    def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
+        """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample)."""
+        if seconds is not None:
+            for name in {s.request.draft for s in spec_rows}:
+                self.governor.observe_spec(name or "", running, seconds, sum(map(len, result.tokens)))
+
+    def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
+        """This round's SpecConfig: gamma at the gamma controller's choice (`engine.gamma`) when it is on, with
+        what to report back to it, (key, draft names); else the engine's."""
+        if not self.gamma.enabled:
+            return self.spec, None
         names = [s.request.draft or "" for s in spec_rows]
         key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
                all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
@@ -334,11 +351,61 @@ class DecodeEngine:
         spec = self._specs.get(gamma)
         if spec is None:
             spec = self._specs[gamma] = dataclasses.replace(self.spec, num_speculative_tokens=gamma)
+        return spec, (key, names)
+
+    def _report_round(self, report: tuple | None, gamma: int, seconds: float | None, result) -> None:
+        if report is not None:
+            key, names = report
+            self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)))
+
+    def _spec_round(self, spec_rows: list[SlotState], t0: float):
+        """One round for the speculating rows (at the gamma controller's choice when it is on). With `overlap`
+        and the captured one-graph round, the batch's next round is launched from this one's outcome on the
+        device before the host reads this one (`_launch_next_round`)."""
+        spec, report = self._round_spec(spec_rows)
         cold = self._cold_events()
-        result = spec_round(self, spec_rows, [s.draft for s in spec_rows], spec)
-        seconds = time.perf_counter() - t0 if self._cold_events() == cold else None
-        self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)))
+        drafts = [s.draft for s in spec_rows]
+        gamma = spec.num_speculative_tokens
+        if self._may_overlap_round(spec_rows) and captured_path(self, drafts, spec):
+            greedy = all(s.request.params.greedy for s in spec_rows)
+            packed, pos0 = launch_round(self, spec_rows, drafts, gamma, max(s.length for s in spec_rows) + gamma + 2,
+                                        greedy)
+            host, ready = _fetch(packed)
+            self._ahead = self._launch_next_round(spec_rows, packed, pos0, gamma, greedy)
+            result = round_result(_read(host, ready), gamma)
+        else:
+            result = spec_round(self, spec_rows, drafts, spec)
+        self._round_clock = time.perf_counter()
+        self._report_round(report, gamma, self._round_clock - t0 if self._cold_events() == cold else None, result)
         return result
+
+    def _may_overlap_round(self, batch: list[SlotState]) -> bool:
+        """Whether the batch's next round may be launched before the host reads the one in flight: overlap is
+        on, every running row speculates in it (no waiting request wants a free row), and every row still
+        wants the tokens of two more full rounds and has the context for them."""
+        if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
+            return False
+        if self.waiting and self.num_running < self.max_batch_size:
+            return False
+        span = 2 * (self.spec.num_speculative_tokens + 1)
+        return all(s.draft is not None and self.slots[s.slot] is s
+                   and s.request.params.max_new_tokens - len(s.output_ids) >= span
+                   and s.length + span <= self.max_seq_len - 1 for s in batch)
+
+    def _launch_next_round(self, batch: list[SlotState], packed: torch.Tensor, pos0: torch.Tensor, gamma: int,
+                           greedy: bool) -> "_Ahead | None":
+        """Launch the batch's next captured round from the outcome (packed, on the device) of the one in flight,
+        which drafted `gamma` from positions pos0 (b,) at the committed lengths; None if this round would not be
+        one graph (the gamma controller's pick)."""
+        spec, report = self._round_spec(batch)
+        drafts = [s.draft for s in batch]
+        if not captured_path(self, drafts, spec):
+            return None
+        g = spec.num_speculative_tokens
+        kv_len = max(s.length for s in batch) + gamma + 1 + g + 2  # the longest row accepting everything in flight
+        nxt, npos = launch_round(self, batch, drafts, g, kv_len, greedy, pending=packed[:, 1],
+                                 pos0=pos0 + packed[:, 0] + 1)
+        return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=report, greedy=greedy)
 
     def _cold_events(self) -> int:
         """Graph captures plus kernel compiles so far: a step that changed it was not a steady-state step."""
@@ -525,6 +592,8 @@ class DecodeEngine:
         unchanged (`_may_overlap`), then read its tokens and commit them for the rows still running (a row
         that stopped, or was cancelled, since the call was launched has its tokens dropped)."""
         ahead, self._ahead = self._ahead, None
+        if ahead.kind == "round":
+            return self._resolve_round(ahead)
         t0, cold = time.perf_counter(), self._cold_events()
         batch = ahead.batch
         if self._may_overlap(batch, ahead.steps):
@@ -541,6 +610,28 @@ class DecodeEngine:
         if self._cold_events() == cold and len(outputs) == len(batch):
             self.governor.observe_ar(len(batch), time.perf_counter() - t0, kept)
         return outputs
+
+    def _resolve_round(self, ahead: "_Ahead") -> list[RequestOutput]:
+        """The step after an overlapped round was launched: chain the next round onto it while the batch is
+        unchanged, then read it and commit it for the rows still running."""
+        batch = ahead.batch
+        cold = self._cold_events()
+        if self._may_overlap_round(batch):
+            self._ahead = self._launch_next_round(batch, ahead.tokens, ahead.pos, ahead.steps, ahead.greedy)
+        result = round_result(_read(ahead.host, ahead.ready), ahead.steps)
+        now = time.perf_counter()
+        # Rounds run back to back on the device: the time since the last one's result is this one's cost.
+        seconds = now - self._round_clock if self._cold_events() == cold else None
+        self._round_clock = now
+        self._report_round(ahead.report, ahead.steps, seconds, result)
+        running = self.num_running
+        self._observe_round(batch, result, running, seconds)
+        return self._commit_round(batch, result, running)
+
+    def _wait_ahead(self) -> None:
+        """Wait until a call in flight has run (its graph may then be dropped); it is still committed next step."""
+        if self._ahead is not None and self._ahead.ready is not None:
+            self._ahead.ready.synchronize()
 
     def settle(self) -> None:
         """Drop an overlapped call none of whose rows still runs (all stopped meanwhile): nothing of it is
@@ -772,15 +863,19 @@ class DecodeEngine:
 
 @dataclasses.dataclass
 class _Ahead:
-    """A plain-decoding graph call launched before the host read its batch's previous call (`overlap`)."""
+    """A graph call launched before the host read its batch's previous one (`overlap`): plain decoding steps,
+    or a captured speculative round."""
 
     batch: list  # the SlotStates it decodes, in row order
     tokens: torch.Tensor  # (b, steps) its tokens, on the device
     host: torch.Tensor  # their copy in host memory, complete once `ready` is
     ready: object  # CUDA event recorded after the copy (None when the copy was synchronous)
-    pos: torch.Tensor  # (b, 1) the position of its first step
+    pos: torch.Tensor  # (b, 1) the position of its first step; a round: (b,) its rows' pending positions
     rows: object  # the batch's cache rows
-    steps: int
+    steps: int  # plain steps in the call; a round: its gamma
+    kind: str = "plain"  # or "round": a captured speculative round, `tokens` its packed outcome
+    report: tuple | None = None  # a round: what to report to the gamma controller (`_round_spec`)
+    greedy: bool = True
 
 
 def _fetch(tokens: torch.Tensor):

@@ -128,8 +128,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     greedy = all(s.request.params.greedy for s in slots)
     gamma = cfg.num_speculative_tokens
     kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
-    single = all(d is drafts[0] for d in drafts)
-    if eng.graphs.enabled and len(cfg.blocks()) == 1 and (single or eng.mixed_round_graph):
+    if captured_path(eng, drafts, cfg):
         return _captured_round(eng, slots, drafts, gamma, kv_len, greedy)
 
     model = eng.model
@@ -292,9 +291,30 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     return RoundResult(tokens, acc, dr, ps)
 
 
+def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig) -> bool:
+    """Whether `spec_round` runs these rows' round as one graph (`_captured_round`)."""
+    return eng.graphs.enabled and len(cfg.blocks()) == 1 and (eng.mixed_round_graph or all(d is drafts[0] for d in drafts))
+
+
 def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int,
                     greedy: bool) -> RoundResult:
-    """The GPU fast path for rounds with one verify per round (block_size >= gamma).
+    """`launch_round`, then its result (one host transfer)."""
+    packed, _ = launch_round(eng, slots, drafts, gamma, kv_len, greedy)
+    return round_result(packed.tolist(), gamma)
+
+
+def round_result(packed: list[list[int]], gamma: int) -> RoundResult:
+    """A captured round's result from its packed output, per row [num_accepted, next token, drafted...]."""
+    return RoundResult([p[2 : 2 + p[0]] + [p[1]] for p in packed], [p[0] for p in packed], [gamma] * len(packed),
+                       [1] * len(packed))
+
+
+def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int, greedy: bool,
+                 pending: torch.Tensor | None = None, pos0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPU fast path for rounds with one verify per round (block_size >= gamma), launched: -> (packed (b,
+    gamma + 2) on the device, per row [num_accepted, next token, drafted...]; pos0 (b,), the positions of the
+    rows' pending tokens). `pending` and `pos0` (b,) on the device (the last round's outcome, not read yet by
+    the host: `DecodeEngine(overlap=True)`) replace the host's.
 
     The whole round (gamma + 1 trunk steps, every draft's adapters and head, the drafted tokens, the
     verify pass, the accepted prefix, the deep features for the next round) is one CUDA graph: the host
@@ -315,7 +335,6 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     """
     model = eng.model
     device = eng.device
-    b = len(slots)
     order = sorted({id(d): d for d in drafts}.values(), key=id)  # ascending ids: one graph key per set of drafts
     ids = {id(d): g for g, d in enumerate(order)}  # draft id -> its index in the graph
     mixed = len(order) > 1
@@ -326,8 +345,9 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     draft_kv = eng.draft_kv_len(kv_len)
 
     rows = row_index([s.slot for s in slots], device)
-    pos0 = torch.tensor([s.length for s in slots], device=device)
-    pending = torch.tensor([s.pending for s in slots], device=device)
+    if pos0 is None:
+        pos0 = torch.tensor([s.length for s in slots], device=device)
+        pending = torch.tensor([s.pending for s in slots], device=device)
     inputs = {"pending": pending, "pos0": pos0}
     if mixed:  # each row's draft (padding rows get draft 0 and the scratch row: nothing of theirs is read)
         inputs["which"] = torch.tensor([ids[id(d)] for d in drafts], device=device)
@@ -416,5 +436,4 @@ def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma
     (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(ids))
     if not greedy:
         advance([s.random for s in slots], 2 * gamma + 1)
-    packed = packed.tolist()  # the round's only host transfer: [num_accepted, next token, drafted...] per row
-    return RoundResult([p[2 : 2 + p[0]] + [p[1]] for p in packed], [p[0] for p in packed], [gamma] * b, [1] * b)
+    return packed, pos0

@@ -56,9 +56,10 @@ class AppArgs(BaseModel):
                             "triton's decode step is 0.95 ms against SDPA's 1.15 (bench/RESULTS.md).")
     governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
     overlap: bool = Field(
-        False, description="With CUDA graphs: a batch decoding plainly launches its next graph call before the host reads "
-                           "the last one's tokens, so the host's work per call (the transfer, stop conditions, "
-                           "detokenizing, scheduling) runs while the GPU decodes. Same tokens. Off until measured on the GPU.")
+        False, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "
+                           "speculative round) from the last one's outcome on the device before the host reads it, so "
+                           "the host's work per call (the transfer, stop conditions, detokenizing, scheduling) runs while "
+                           "the GPU decodes. Same tokens. Off until measured on the GPU.")
     graph_warmup_tokens: int = Field(
         256, ge=0, description="With CUDA graphs: at replica start, capture the decode/draft/verify graphs of every "
                                "batch bucket for sequences up to this many tokens (0: capture on first use only).")

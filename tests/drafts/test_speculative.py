@@ -758,3 +758,91 @@ def test_a_draft_fusing_layers_outside_the_verify_pass_is_refused_before_anythin
     with pytest.raises(ValueError, match="strictly between"):
         eng.add_draft("d", stranger)
     assert eng.drafts == {} and eng.draft_cache is None
+
+
+# ----- overlapped rounds (DecodeEngine(overlap=True)): the next round launched before the host reads one --------
+
+
+def _overlap_engine(target, drafts, overlap, gamma=None, **kw):
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
+                       overlap=overlap, gamma=gamma, **kw)
+    names = []
+    for i, d in enumerate(drafts):
+        if d is not None and f"d{i}" not in eng.drafts:
+            eng.add_draft(f"d{i}", d)
+        names.append(f"d{i}" if d is not None else None)
+    eng.chained = 0
+    real = eng._launch_next_round  # chained from a round in flight
+
+    def counted(*args):
+        eng.chained += 1
+        return real(*args)
+
+    eng._launch_next_round = counted
+    return eng, names
+
+
+@pytest.mark.parametrize("case", ["one draft", "three drafts", "sampled", "adaptive gamma"])
+def test_overlapped_rounds_give_the_same_tokens_and_stops(target, case):
+    """Rounds launched from the last round's outcome on the device, before the host reads it: the same tokens
+    as one round at a time (greedy: plain decoding's), for one draft, three drafts mixed in the batch (deep and
+    not), seeded sampling, and gamma picked by the controller; a row meeting its EOS mid-chain has the round
+    in flight for it dropped; nothing is left running."""
+    from engine.gamma import GammaController
+
+    mixed = case == "three drafts"
+    first = noisy(oracle(target), 0.5)
+    drafts = ([first, oracle(target, deep=True), noisy(oracle(target, deep=True), 0.4), first]
+              if mixed else [noisy(oracle(target), 0.4)] * 4)
+    sampled = case == "sampled"
+    base = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=0.9 if sampled else 0.0, seed=i)
+            for i, n in enumerate((40, 31, 52, 45))]
+    vocab = target.args.vocab_size
+    prompts = prompts_for(vocab)
+    eng, names = _overlap_engine(target, drafts, False)
+    eos = generate(eng, prompts, base, names)[1].token_ids[19]
+    params = list(base)
+    params[1] = SamplingParams(max_new_tokens=31, eos_token_ids=(eos,), temperature=base[1].temperature, seed=1)
+    runs = {}
+    for overlap in (False, True):
+        controller = GammaController(5, pin_seeded=True) if case == "adaptive gamma" else None
+        eng, names = _overlap_engine(target, drafts, overlap, gamma=controller)
+        runs[overlap] = [r.token_ids for r in generate(eng, prompts, params, names)]
+        assert not eng.has_work()
+        if overlap:
+            assert eng.chained >= 3
+    assert runs[True] == runs[False]
+    assert len(runs[True][1]) < 31  # the EOS stopped row 1
+    if not sampled:
+        assert runs[True] == [r[: len(t)] for r, t in zip(ar_greedy(target, new=52), runs[True])]
+
+
+def test_an_overlapped_round_chain_makes_way_for_a_request_and_survives_a_cancel_and_a_draft_swap(target):
+    """A request arriving mid-chain is admitted at the next step; a row cancelled with a round in flight
+    loses that round's tokens, the others keep theirs; replacing a draft waits for the round in flight."""
+    draft = noisy(oracle(target), 0.4)
+    eng, _ = _overlap_engine(target, [draft], True)
+    prompts = prompts_for(target.args.vocab_size, (5, 9, 7))
+    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    alone = ar_greedy(target, (5, 9, 7), 40)
+    eng.add_request(Request("a", prompts[0], params, "d0"))
+    eng.add_request(Request("b", prompts[1], params, "d0"))
+    got = {"a": [], "b": [], "c": []}
+    admitted_at = None
+    for step in range(80):
+        if step == 3:
+            assert eng._ahead is not None and eng._ahead.kind == "round"
+            eng.add_request(Request("c", prompts[2], params, "d0"))
+        if step == 6:
+            eng.add_draft("d0", noisy(oracle(target), 0.4, seed=9))  # running rows keep theirs
+            assert eng.cancel("b")
+        for out in eng.step():
+            got[out.request_id].extend(out.token_ids)
+            if out.request_id == "c" and admitted_at is None:
+                admitted_at = step
+        if not eng.has_work():
+            break
+    assert admitted_at is not None and admitted_at <= 4
+    assert got["a"] == alone[0] and got["c"] == alone[2]
+    assert got["b"] == alone[1][: len(got["b"])] and len(got["b"]) < 40
+    assert eng.chained > 0 and not eng.has_work()

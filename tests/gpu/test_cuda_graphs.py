@@ -198,3 +198,26 @@ def test_overlapped_plain_decoding_matches_one_call_at_a_time(temperature):
     eng._launch_ahead = lambda *a: launched.append(1) or real(*a)
     assert [r.token_ids for r in generate(eng, prompts, params)] == want
     assert len(launched) >= 3 and not eng.has_work()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_overlapped_rounds_match_one_round_at_a_time(temperature):
+    """DecodeEngine(overlap=True) on the one-graph round: each round launched from the last one's outcome on the
+    device, read from pinned memory behind it; the same tokens as one round at a time."""
+    target = tiny_target(torch.float32)
+    drafts = [DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input=f))
+              for f in ("deep", "none")]
+    for d in drafts:
+        d.init_from_target()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=temperature, seed=i)
+              for i, n in enumerate((40, 33, 52))]
+    names = ["a", "b", "a"]
+    outs = {}
+    for overlap in (False, True):
+        eng = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), overlap=overlap)
+        eng.add_draft("a", drafts[0])
+        eng.add_draft("b", drafts[1])
+        outs[overlap] = [r.token_ids for r in generate(eng, prompts, params, names)]
+        assert not eng.has_work()
+    assert outs[True] == outs[False]
