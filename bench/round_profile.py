@@ -228,7 +228,8 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10
 def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
-    the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1). After a warm-up pass, a timed
+    the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
+    `DecodeEngine(overlap=True)`). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed."""
@@ -254,17 +255,20 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     model.set_attention_backend(attention)
     data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
     new = 256 if kind == "long" else 20
-    cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True), ("bs 8, three drafts, general loop", 8, "mixed", False),
-             ("bs 8, code draft", 8, "code", False), ("bs 1, code draft", 1, "code", False),
-             ("bs 8, plain", 8, None, False), ("bs 1, plain", 1, None, False)]
+    cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True, False),
+             ("bs 8, three drafts, general loop", 8, "mixed", False, False),
+             ("bs 8, code draft", 8, "code", True, False), ("bs 1, code draft", 1, "code", True, False),
+             ("bs 8, plain", 8, None, True, False), ("bs 1, plain", 1, None, True, False),
+             ("bs 1, code draft, overlapped", 1, "code", True, True), ("bs 1, plain, overlapped", 1, None, True, True),
+             ("bs 8, plain, overlapped", 8, None, True, True)]
     tables = []  # (case, graph, step): kernel tables after every case is timed (the profiler slows later launches)
-    for label, bs, which, one_graph in cases:
+    for label, bs, which, one_graph, overlap in cases:
         if which == "mixed":
             prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
         else:
             prompts, names = data["code"][kind][:bs], [which] * bs
         eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=bs, max_seq_len=max(map(len, prompts)) + new + 16,
-                           spec=SpecConfig(5, 5), mixed_round_graph=one_graph)
+                           spec=SpecConfig(5, 5), mixed_round_graph=one_graph, overlap=overlap)
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
         params = SamplingParams(max_new_tokens=new, temperature=0.0, eos_token_ids=())
