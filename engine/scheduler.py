@@ -266,6 +266,8 @@ class DecodeEngine:
             self.gamma.forced = None
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
+            self._wait_ahead()
+            self._ahead = None  # nor an overlapped call of one
         return self.graphs.captures - before
 
     @property
