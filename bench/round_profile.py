@@ -182,11 +182,6 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10
     each kernel type took in one eager run (torch.profiler), against the step's CUDA-graph replay time,
     with engine.triton_kernels off and on. Every replay time is taken before the profiler's first run: it
     leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
-    from collections import defaultdict
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from engine.loading import load_model
     from engine.triton_kernels import argmax
 
@@ -207,21 +202,37 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10
             runs.append((enabled, t, fn, cuda_ms(capture_graph(fn).replay, 300)))
     for enabled, t, fn, ms in runs:
         triton_kernels.ENABLED = enabled
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        by = defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                by[e.name[:80]][0] += 1
-                by[e.name[:80]][1] += e.time_range.elapsed_us()
+        by = kernels_by_name(fn)
         print(json.dumps({"attention": model.backend.name, "small_kernels": enabled, "tokens": t,
                           "graph_ms": round(ms, 3), "kernels": sum(c for c, _ in by.values()),
                           "kernel_busy_ms": round(sum(d for _, d in by.values()) / 1000, 3)}), flush=True)
-        for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
+        print_kernels(by, top, "  ")
     triton_kernels.ENABLED = True
+
+
+def kernels_by_name(fn) -> dict:
+    """CUDA kernel name -> [count, GPU us] over one eager run of fn (torch.profiler: run it only after every
+    timing, it slows later graph launches; bench.gpu.graph_kernels)."""
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by[e.name[:80]][0] += 1
+            by[e.name[:80]][1] += e.time_range.elapsed_us()
+    return by
+
+
+def print_kernels(by: dict, top: int, indent: str) -> None:
+    for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{indent}{count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
 
 
 @torch.no_grad()
@@ -233,11 +244,6 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed."""
-    from collections import defaultdict
-
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     from bench.gpu import load_drafts, pick_prompts
     from engine.fused import fuse_for_inference
     from engine.generate import generate
@@ -302,19 +308,10 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
             if i < 2:
                 tables.append((label, r["graph"], step))
     for label, graph, step in tables:
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step.fn(**step.static)
-            torch.cuda.synchronize()
-        by = defaultdict(lambda: [0, 0.0])
-        for e in prof.events():
-            if e.device_type == DeviceType.CUDA:
-                by[e.name[:80]][0] += 1
-                by[e.name[:80]][1] += e.time_range.elapsed_us()
+        by = kernels_by_name(lambda step=step: step.fn(**step.static))
         print(f"{label}: {graph}\n  eager run: {sum(c for c, _ in by.values())} kernels, "
               f"{sum(d for _, d in by.values()) / 1000:.3f} ms of kernel time", flush=True)
-        for name, (count, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
-            print(f"    {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
+        print_kernels(by, top, "    ")
 
 
 def main() -> None:

@@ -24,6 +24,22 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
 
 
+def drive(engine, actions: dict, max_steps: int = 80) -> tuple[dict, dict]:
+    """Step `engine` until it has no work: before step i, `actions[i](engine)` if given. Returns each request's
+    tokens and the step at which it first produced one."""
+    got: dict[str, list[int]] = {}
+    first: dict[str, int] = {}
+    for step in range(max_steps):
+        if step in actions:
+            actions[step](engine)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+            first.setdefault(out.request_id, step)
+        if not engine.has_work():
+            break
+    return got, first
+
+
 def make_tokenizer(vocab_size: int):
     """A word-level tokenizer: id 0 = `<eos>`, 1 = `<unk>`, id i >= 2 = the word `w{i}`; decode joins with spaces."""
     from tokenizers import Tokenizer, models, pre_tokenizers
