@@ -274,9 +274,14 @@ class Bench:
     def run_engine(self, *args, **kwargs) -> dict:
         """One engine row alone: built, warmed up, its --passes timed back to back."""
         row = self.engine_row(*args, **kwargs)
-        for _ in range(self.args.passes):
+        for _ in range(self.passes(row.new)):
             row.timed_pass()
         return row.result()
+
+    def passes(self, new: int) -> int:
+        """Measured passes of a cell's rows: --short-passes for the short cells (20 new tokens: a pass is a few
+        tens of milliseconds, where host jitter moves one pass by 10-30 %), else --passes."""
+        return self.args.short_passes if self.args.short_passes and new <= 20 else self.args.passes
 
     def measure_engines(self, setting: str, rows: list[tuple[str, Callable[[], "EngineRow"]]]) -> None:
         """A cell's engine rows side by side: each built and warmed up in turn, then their timed passes
@@ -295,7 +300,7 @@ class Bench:
                     failed[name] = _error(exc)
         finally:
             self._cell_base = None
-        for p in range(self.args.passes):
+        for p in range(max((self.passes(row.new) for _, row in live), default=0)):
             turn = live[p % len(live):] + live[: p % len(live)] if live else []
             for name, row in turn:
                 if name in failed:
@@ -353,7 +358,7 @@ class EngineRow:
         from engine.scheduler import DecodeEngine
         from engine.speculative import SpecConfig
 
-        self.bench, self.prompts, self.greedy, self.reference = bench, prompts, greedy, reference
+        self.bench, self.prompts, self.greedy, self.reference, self.new = bench, prompts, greedy, reference, new
         self.governor_on, self.adaptive = governor, adaptive
         self.base_bytes = bench.base_bytes()
         self.before_bytes = _allocated()
@@ -697,7 +702,8 @@ def run_attention(bench: Bench, args, settings, refs: dict, best: dict) -> list[
 def main_table(bench: Bench, args) -> list[str]:
     """The setup line and one row per measured path, with ratios to engine AR and transformers static."""
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
-             f"prompts {args.prompts} (long cells max(bs, {args.long_prompts}) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else ""),
+             f"prompts {args.prompts} (long cells max(bs, {args.long_prompts}) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else "")
+             + (f" ({args.short_passes} in the short cells)" if args.short_passes else ""),
              "",
              "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
              "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
@@ -766,6 +772,9 @@ def main() -> None:
     parser.add_argument("--long-prompts", type=int, default=6, help="requests per long (512->256) cell (at least the batch size)")
     parser.add_argument("--passes", type=int, default=1,
                         help="measured passes per row after the warm-up one; tokens/s is their median")
+    parser.add_argument("--short-passes", type=int, default=None,
+                        help="measured passes per row of the short (32->20) cells (default: --passes); a pass there "
+                             "is tens of milliseconds and host jitter moves one by 10-30 %%")
     parser.add_argument("--no-fp32-check", dest="fp32_check", action="store_false",
                         help="leave out the check of greedy rows' tokens against the fp32 target")
     parser.add_argument("--attention", default="sdpa", choices=BACKENDS, help="attention backend of every row")

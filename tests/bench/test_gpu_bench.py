@@ -98,7 +98,7 @@ def test_a_cells_engine_rows_take_their_passes_in_turn_and_a_broken_one_is_kept(
     from bench.gpu import Bench, EngineRow
 
     bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=3, fp32_check=False, gammas=(), adaptive_gamma=False)
+    bench.args = argparse.Namespace(passes=3, short_passes=None, fp32_check=False, gammas=(), adaptive_gamma=False)
     bench.loaded = tiny_target
     bench.tok = None
     bench.rows, bench._cell_base = [], None
@@ -131,3 +131,5 @@ def test_a_cells_engine_rows_take_their_passes_in_turn_and_a_broken_one_is_kept(
     assert len(rows["a"]["tps_passes"]) == 3 and rows["a"]["tps"] > 0 and rows["b"]["tps"] > 0
     assert rows["unbuildable"]["error"] == "ValueError: no such draft"
     assert rows["broken"]["tps"] is None and rows["broken"]["error"] == "RuntimeError: lost the device"
+    bench.args.short_passes = 7  # short cells (20 new tokens or fewer) take their own pass count
+    assert (bench.passes(6), bench.passes(20), bench.passes(256)) == (7, 7, 3)
