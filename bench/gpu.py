@@ -301,8 +301,7 @@ class Bench:
         finally:
             self._cell_base = None
         for p in range(max((self.passes(row.new) for _, row in live), default=0)):
-            turn = live[p % len(live):] + live[: p % len(live)] if live else []
-            for name, row in turn:
+            for name, row in live[p % len(live):] + live[: p % len(live)]:
                 if name in failed:
                     continue
                 try:

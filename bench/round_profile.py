@@ -4,6 +4,7 @@
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
     python -m bench.round_profile --kernel-table [--attention triton]   # a decode step's kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
+    python -m bench.round_profile --profiler-effect    # graph launches before and after torch.profiler runs
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
 piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
@@ -314,6 +315,37 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
         print_kernels(by, top, "    ")
 
 
+def profiler_effect(ops: int = 400) -> None:
+    """Why no graph here is timed after torch.profiler has run in the process: a toy graph of 2 x `ops`
+    elementwise kernels, timed before a profiler session, then the same graph and one captured afterwards
+    (run it with TEARDOWN_CUPTI=1 to see the launch cost come back down). Also checks
+    `bench.gpu.graph_kernels` against the known kernel count."""
+    from bench.gpu import graph_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64, device="cuda")
+
+    def fn():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001 + 0.0001
+        return y
+
+    def timing(graph) -> dict:
+        synced, launch = synced_ms(graph, 100)
+        return {"graph_ms": round(cuda_ms(graph.replay, 100), 4), "synced_ms": round(synced, 4),
+                "launch_ms": round(launch, 4)}
+
+    before = capture_graph(fn)
+    print(json.dumps({"graph": "captured before any profiler session", "kernels": graph_kernels(
+        capture_graph(fn, debug=True)), "expected": 2 * ops, **timing(before)}), flush=True)
+    with profile(activities=[ProfilerActivity.CUDA]):
+        fn()
+        torch.cuda.synchronize()
+    print(json.dumps({"graph": "the same, after one profiler session", **timing(before)}), flush=True)
+    print(json.dumps({"graph": "captured after it", **timing(capture_graph(fn))}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="code", help="which shipped draft (drafts/demo/<domain>)")
@@ -325,6 +357,8 @@ def main() -> None:
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
                         help="only the engine's graphs over whole generations (bs 8 three drafts / one draft, bs 1, "
                              "plain), 512->256 or 32->20 prompts")
+    parser.add_argument("--profiler-effect", action="store_true",
+                        help="only a toy graph's launch and replay times before and after a torch.profiler session")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     args = parser.parse_args()
@@ -335,6 +369,8 @@ def main() -> None:
         attention_calls()
     elif args.kernel_table:
         kernel_table(args.attention)
+    elif args.profiler_effect:
+        profiler_effect()
     elif args.engine_graphs:
         engine_graphs(args.attention, args.engine_graphs)
     else:

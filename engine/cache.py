@@ -124,9 +124,10 @@ class WindowedKVCache(KVCache):
     they never evict a position a later query still needs.
     """
 
+    reads_in_place = False  # `read` returns the whole ring, whatever kv_len
+
     def __init__(self, num_layers, batch_size, num_kv_heads, window, head_dim, slack, dtype=torch.float32, device="cpu"):
         super().__init__(num_layers, batch_size, num_kv_heads, window + slack, head_dim, dtype, device)
-        self.reads_in_place = False  # `read` returns the whole ring, whatever kv_len
         self.window = window
         self.slot_pos = torch.full((batch_size, window + slack), -1, dtype=torch.long, device=device)
 

@@ -382,15 +382,21 @@ class DecodeEngine:
         return result
 
     def _may_overlap_round(self, batch: list[SlotState]) -> bool:
-        """Whether the batch's next round may be launched before the host reads the one in flight: overlap is
-        on, every running row speculates in it (no waiting request wants a free row), and every row still
-        wants the tokens of two more full rounds and has the context for them."""
+        """Whether the batch's next round may be launched before the host reads the one in flight (`_may_chain`):
+        every row speculates and wants two more full rounds."""
+        return self._may_chain(batch, 2 * (self.spec.num_speculative_tokens + 1), speculating=True)
+
+    def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
+        """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
+        every running row, all speculating or all plain as `speculating` says (no request waits for a free row),
+        and every row still wants the `span` tokens of both calls and has the context for them, so the next
+        call is exactly what the next step would have run (only a stop token or string met meanwhile can make
+        its work for a row unwanted)."""
         if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
             return False
         if self.waiting and self.num_running < self.max_batch_size:
             return False
-        span = 2 * (self.spec.num_speculative_tokens + 1)
-        return all(s.draft is not None and self.slots[s.slot] is s
+        return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
                    and s.length + span <= self.max_seq_len - 1 for s in batch)
 
@@ -567,19 +573,9 @@ class DecodeEngine:
         return out
 
     def _may_overlap(self, batch: list[SlotState], graph_steps: int) -> bool:
-        """Whether to launch the batch's next call (positions graph_steps .. 2 graph_steps - 1 past the committed
-        lengths) before reading the one in flight (positions 0 .. graph_steps - 1): overlap is on, the batch is
-        every running row (no speculating ones, no request waiting for a free row), and every row will still
-        want all of both calls' tokens and has the context for them, so the call is exactly what the next step
-        would have run (only a stop token or string can make its work for a row unwanted)."""
-        if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
-            return False
-        if self.waiting and self.num_running < self.max_batch_size:
-            return False
-        span = 2 * graph_steps
-        return all(s.draft is None and self.slots[s.slot] is s
-                   and s.request.params.max_new_tokens - len(s.output_ids) >= span
-                   and s.length + span <= self.max_seq_len - 1 for s in batch)
+        """Whether the batch's next plain call (positions graph_steps .. 2 graph_steps - 1 past the committed
+        lengths) may be launched before the host reads the one in flight (`_may_chain`)."""
+        return self._may_chain(batch, 2 * graph_steps, speculating=False)
 
     def _launch_ahead(self, batch, out: torch.Tensor, pos: torch.Tensor, rows, graph_steps: int):
         """Launch the batch's next call from the tokens (b, graph_steps) of the one in flight (on the device), which

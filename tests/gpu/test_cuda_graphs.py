@@ -221,3 +221,18 @@ def test_overlapped_rounds_match_one_round_at_a_time(temperature):
         outs[overlap] = [r.token_ids for r in generate(eng, prompts, params, names)]
         assert not eng.has_work()
     assert outs[True] == outs[False]
+
+
+def test_graph_kernels_counts_a_graphs_kernel_nodes():
+    """bench.gpu counts kernels from the captured graph (no profiler: it would slow every later launch)."""
+    from bench.gpu import count_kernels
+
+    x = torch.randn(16, 16, device="cuda")
+
+    def fn():
+        y = x
+        for _ in range(25):
+            y = y * 1.5 + 1.0  # two elementwise kernels
+        return y
+
+    assert count_kernels(fn) == 50
