@@ -5,6 +5,7 @@
     python -m bench.round_profile --kernel-table [--attention triton]   # a decode step's kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --profiler-effect    # graph launches before and after torch.profiler runs
+    python -m bench.round_profile --warmup [--attention triton] [--overlap]  # a replica's warm-up and its traffic
 
 Round pieces: the target fused for inference (unless --unfused) and the shipped draft of --domain, each
 piece (plain decoding step, trunk step, draft step, the drafting chain, verify passes of 1-6 tokens, the
@@ -315,6 +316,59 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
         print_kernels(by, top, "    ")
 
 
+@torch.no_grad()
+def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> None:
+    """What a serving replica's warm-up costs and whether it covers its traffic: the fused target with the
+    three shipped drafts, adaptive gamma, `max_batch` rows, the service's 2,048-token context. Times
+    `DecodeEngine.warmup` (every sampling kind) and the GPU memory its graphs hold; then runs greedy, T=1 and
+    top-p traffic (long prompts of the three domains, twice as many requests as rows, so rows finish and
+    refill at scattered slots, and one-draft batches) and counts the graphs it still captures."""
+    from bench.gpu import load_drafts, pick_prompts
+    from engine.fused import fuse_for_inference
+    from engine.gamma import GammaController
+    from engine.generate import generate
+    from engine.loading import load_model
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    model = loaded.model
+    model.fuse_for_inference(compile=True)
+    drafts = load_drafts("drafts/demo", model)
+    for draft in drafts.values():
+        fuse_for_inference(draft, compile=True)
+    model.set_attention_backend(attention)
+    eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=max_batch, max_seq_len=2048, spec=SpecConfig(5, 5),
+                       gamma=GammaController(5), overlap=overlap)
+    for name, draft in drafts.items():
+        eng.add_draft(name, draft)
+    torch.cuda.synchronize()
+    alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    n = eng.warmup()
+    torch.cuda.synchronize()
+    print(json.dumps({"warmup_s": round(time.perf_counter() - t0, 1), "graphs": n, "attention": model.backend.name,
+                      "kv_bucket_fixed": eng.kv_bucket(1) == eng.kv_bucket(2048), "max_batch": max_batch,
+                      "overlap": overlap, "graphs_allocated_gib": round((torch.cuda.memory_allocated() - alloc0) / 2**30, 3),
+                      "graphs_reserved_gib": round((torch.cuda.memory_reserved() - reserved0) / 2**30, 3)}), flush=True)
+    data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
+    prompts, names = pick_prompts(data, "long", 2 * max_batch, long_prompts=2 * max_batch)
+    for label, kind in (("greedy", {}), ("T=1", {"temperature": 1.0}), ("top-p 0.9", {"temperature": 1.0, "top_p": 0.9})):
+        for mix, rows in (("three drafts", names), ("code draft", ["code"] * len(prompts)), ("plain", None)):
+            params = [SamplingParams(max_new_tokens=128 + 16 * (i % 5), eos_token_ids=(), seed=i, **kind)
+                      for i in range(len(prompts))]
+            before = eng.graphs.captures
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = generate(eng, prompts, params, rows)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            tokens = sum(len(o.token_ids) for o in outs)
+            print(json.dumps({"traffic": f"{label}, {mix}", "requests": len(prompts), "tokens": tokens,
+                              "tps": round(tokens / wall, 1), "captured": eng.graphs.captures - before}), flush=True)
+
+
 def profiler_effect(ops: int = 400) -> None:
     """Why no graph here is timed after torch.profiler has run in the process: a toy graph of 2 x `ops`
     elementwise kernels, timed before a profiler session, then the same graph and one captured afterwards
@@ -359,6 +413,9 @@ def main() -> None:
                              "plain), 512->256 or 32->20 prompts")
     parser.add_argument("--profiler-effect", action="store_true",
                         help="only a toy graph's launch and replay times before and after a torch.profiler session")
+    parser.add_argument("--warmup", action="store_true",
+                        help="only a serving engine's warm-up (time, graphs, memory) and the captures its traffic still needs")
+    parser.add_argument("--overlap", action="store_true", help="--warmup with DecodeEngine(overlap=True)")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     args = parser.parse_args()
@@ -371,6 +428,8 @@ def main() -> None:
         kernel_table(args.attention)
     elif args.profiler_effect:
         profiler_effect()
+    elif args.warmup:
+        warmup_probe(args.attention, overlap=args.overlap)
     elif args.engine_graphs:
         engine_graphs(args.attention, args.engine_graphs)
     else:

@@ -20,21 +20,29 @@ log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    """A backend may also offer `attend_rows(q, cache_k, cache_v, rows, kv_len, mask)`: the same attention read
-    in place from whole cache layers for scattered cache rows (B,), or None where it does not serve the call
-    (`engine.model.cached_attention`)."""
+    """A backend may also offer `attend_rows(q, cache_k, cache_v, rows, kv_len, mask, positions)`: the same
+    attention read in place from whole cache layers for scattered cache rows (B,), or None where it does not
+    serve the call (`engine.model.cached_attention`).
+
+    `positions` (B, T), where given, are the queries' positions in a cache whose slot is the position: a
+    backend with `bounds_by_position` reads no slot past a row's last position (the mask hides them anyway),
+    so a step over the whole cache costs what the rows have filled; the others ignore it."""
 
     name: str
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    bounds_by_position: bool
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool, True = visible. Returns (B, Hq, T, D)."""
         ...
 
 
 class SdpaBackend:
     name = "sdpa"
+    bounds_by_position = False
 
-    def __call__(self, q, k, v, mask):
+    def __call__(self, q, k, v, mask, positions=None):
         # GQA without materializing repeated K/V heads.
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
@@ -43,13 +51,14 @@ class FlexBackend:
     """FlexAttention with the same position mask (GPU; compiled on first use)."""
 
     name = "flex"
+    bounds_by_position = False
 
     def __init__(self) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
         self._flex = torch.compile(flex_attention, dynamic=False)
 
-    def __call__(self, q, k, v, mask):
+    def __call__(self, q, k, v, mask, positions=None):
         from torch.nn.attention.flex_attention import create_block_mask
 
         def mask_mod(b, h, q_idx, kv_idx):
@@ -61,7 +70,8 @@ class FlexBackend:
 
 class TritonBackend:
     """One Triton kernel per call for the short steps (decode, draft, verify: up to 64 query heads x new
-    tokens per KV head); SDPA for everything else (prefill, CPU tensors)."""
+    tokens per KV head); SDPA for everything else (prefill, CPU tensors). On CUDA it reads no cache slot past a
+    row's last position (`positions`)."""
 
     name = "triton"
 
@@ -71,15 +81,20 @@ class TritonBackend:
         self._kernel = triton_attention
         self._sdpa = SdpaBackend()
 
-    def __call__(self, q, k, v, mask):
-        out = self._kernel(q, k, v, mask) if q.is_cuda else None
+    def __call__(self, q, k, v, mask, positions=None):
+        out = self._kernel(q, k, v, mask, positions=positions) if q.is_cuda else None
         return out if out is not None else self._sdpa(q, k, v, mask)
 
-    def attend_rows(self, q, cache_k, cache_v, rows, kv_len, mask):
+    @property
+    def bounds_by_position(self) -> bool:
+        """Whether the kernel serves this process's steps (CUDA; not Triton's CPU interpreter)."""
+        return torch.cuda.is_available()
+
+    def attend_rows(self, q, cache_k, cache_v, rows, kv_len, mask, positions=None):
         """Attention over the first kv_len slots of cache rows `rows` (B,) of whole cache layers, read in place;
         None where the kernel does not serve the call (CPU tensors outside Triton's interpreter included: the
         caller then gathers the rows and calls the backend)."""
-        return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len)
+        return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len, positions=positions)
 
 
 BACKENDS = ("auto", "sdpa", "flex", "triton", "flash_attn", "flashinfer")

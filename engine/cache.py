@@ -34,6 +34,8 @@ class KVCache:
 
     # Row r's first kv_len slots are what `read` returns for it: an attention kernel may read them in place.
     reads_in_place = True
+    # Slot index == position: a query sees no slot past its own position (an attention kernel may stop there).
+    slot_is_position = True
 
     def __init__(
         self,
@@ -125,6 +127,7 @@ class WindowedKVCache(KVCache):
     """
 
     reads_in_place = False  # `read` returns the whole ring, whatever kv_len
+    slot_is_position = False  # slot p % ring
 
     def __init__(self, num_layers, batch_size, num_kv_heads, window, head_dim, slack, dtype=torch.float32, device="cpu"):
         super().__init__(num_layers, batch_size, num_kv_heads, window + slack, head_dim, dtype, device)

@@ -16,7 +16,7 @@ import torch
 
 class CapturedStep:
     def __init__(self, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], warmup: int = 2,
-                 capture: bool = True) -> None:
+                 capture: bool = True, pool=None) -> None:
         self.fn = fn
         self.static = {k: v.clone() for k, v in inputs.items()}
         self.graph = None
@@ -37,7 +37,7 @@ class CapturedStep:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(self.graph):
+            with torch.cuda.graph(self.graph, pool=pool):
                 self.outputs = fn(**self.static)
         finally:
             if collecting:
@@ -65,6 +65,12 @@ class GraphCache:
     def __init__(self, enabled: bool, capture: bool = True) -> None:
         self.enabled = enabled
         self.capture = capture
+        # One memory pool for all graphs: a graph's intermediates live only while it replays, and replays run
+        # one at a time on one stream, so every graph can reuse the same memory; each graph's outputs stay
+        # allocated (held by its CapturedStep, handed out as clones), so no other capture is given them. A
+        # private pool per graph would hold every graph's intermediates at once: hundreds of graphs after a
+        # full warm-up.
+        self.pool = torch.cuda.graph_pool_handle() if enabled and capture else None
         self.graphs: dict[tuple, CapturedStep] = {}
         self.owners: dict[tuple, tuple] = {}  # graph key -> ids of the drafts it runs
         self.captures = 0  # graphs captured so far (len() drops when `discard` removes some)
@@ -77,7 +83,7 @@ class GraphCache:
         full_key = key + owners + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
         step = self.graphs.get(full_key)
         if step is None:
-            step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture)
+            step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture, pool=self.pool)
             self.owners[full_key] = owners
             self.captures += 1
             # The capture's warm-up already did this call's work; replaying once more is harmless

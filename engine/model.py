@@ -81,13 +81,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "St
         return ctx.backend(q, k, v, ctx.mask)
     cache = ctx.cache
     cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
+    positions = ctx.input_pos if cache.slot_is_position else None  # a backend may stop at each row's last one
     attend_rows = getattr(ctx.backend, "attend_rows", None)
     if attend_rows is not None and isinstance(ctx.rows, torch.Tensor) and cache.reads_in_place:
-        out = attend_rows(q, cache.k[cache_layer], cache.v[cache_layer], ctx.rows, ctx.kv_len, ctx.mask)
+        out = attend_rows(q, cache.k[cache_layer], cache.v[cache_layer], ctx.rows, ctx.kv_len, ctx.mask, positions)
         if out is not None:
             return out
     k, v = cache.read(cache_layer, ctx.rows, ctx.kv_len)  # (B, Hkv, kv_len, D)
-    return ctx.backend(q, k, v, ctx.mask)
+    return ctx.backend(q, k, v, ctx.mask, positions)
 
 
 class Attention(_FusableProjections):

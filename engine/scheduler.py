@@ -90,6 +90,7 @@ class DecodeEngine:
         self.overlap = overlap
         self._ahead: _Ahead | None = None  # a call launched before its batch's last one was read (`overlap`)
         self._round_clock = 0.0  # when the host last read a speculative round's outcome
+        self._scatter_rows = False  # warm-up: run rows 0..b-1 as the scattered rows' graphs do
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
@@ -226,44 +227,73 @@ class DecodeEngine:
                 generate(self, [list(prompt)] * rows, params)
         return {rows: self.governor.plain_samples(rows) for rows in batch_sizes}
 
-    def warmup(self, max_len: int = 256, prompt_len: int = 32) -> int:
-        """Capture the CUDA graphs serving meets first, before any request waits on a capture.
+    def warmup(self, max_len: int = 256, prompt_len: int = 32,
+               sampling: tuple[str, ...] = ("greedy", "sampled", "filtered")) -> int:
+        """Capture the CUDA graphs serving meets, before any request waits on a capture.
 
-        For every batch-size bucket: full buckets (rows 0..b-1) and padded ones (b-1 rows), each as
-        plain decoding, with each loaded draft, and with the drafts mixed in one batch, over sequences
-        up to `max_len` tokens (longer ones capture their KV-length buckets on first use); with the
-        adaptive gamma controller, the speculative mixes once per gamma. The governor and the gamma
-        controller learn nothing from it (their figures come from real traffic). Returns the graphs
-        captured; without graphs it does nothing.
+        For every batch-size bucket, with the rows at 0..b-1 (the rows as views) and scattered (the rows a
+        graph input, padded to the bucket): plain decoding, each loaded draft, and the drafts mixed in one
+        batch (a mix runs every loaded draft: one graph whichever drafts it holds), at every gamma of the
+        adaptive controller, for each kind of request in `sampling`: greedy, sampled (temperature > 0),
+        filtered (sampled with top-k or top-p). Where the attention backend bounds each row by its position
+        (the Triton kernel on CUDA) a graph serves every sequence length: a few rounds per case capture them
+        all, every graph the replica runs until a draft is replaced (`warm_draft`). Otherwise graphs depend
+        on the KV length bucket: sequences run up to `max_len` tokens, longer ones capture their buckets on
+        first use. The governor and the gamma controller learn nothing from it (their figures come from
+        real traffic). Returns the graphs captured; without graphs it does nothing.
         """
+        names = sorted(self.drafts)
+        return self._warm([[None], *([n] for n in names)] + ([names] if len(names) > 1 else []), max_len,
+                          prompt_len, sampling)
+
+    def warm_draft(self, name: str, max_len: int = 256, prompt_len: int = 32,
+                   sampling: tuple[str, ...] = ("greedy", "sampled", "filtered")) -> int:
+        """After `add_draft(name, ...)` (a replaced draft's graphs, the mixes' included, are dropped): capture
+        the graphs of draft `name` and of mixed batches again, as `warmup` does. Returns the graphs captured."""
+        if name not in self.drafts:
+            raise KeyError(f"no draft named {name!r}")
+        names = sorted(self.drafts)
+        return self._warm([[name]] + ([names] if len(names) > 1 else []), max_len, prompt_len, sampling)
+
+    def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...]) -> int:
+        """Generate over every (sampling kind, batch bucket, row layout, mix, gamma): `warmup`."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
 
+        kinds = {"greedy": {}, "sampled": {"temperature": 1.0}, "filtered": {"temperature": 1.0, "top_p": 0.9}}
+        unknown = sorted(set(sampling) - set(kinds))
+        if unknown:
+            raise ValueError(f"unknown warm-up sampling {unknown}; choose from {', '.join(kinds)}")
         if not self.graphs.enabled:
             return 0
         if self.has_work():
-            raise RuntimeError("warmup runs before the engine takes requests")
+            raise RuntimeError("warm-up runs on an idle engine (before it takes requests)")
         before = self.graphs.captures
+        if self.kv_bucket(1) == self.kv_bucket(self.max_seq_len):  # graphs independent of the sequence length
+            max_len = prompt_len + 3 * (self.spec.num_speculative_tokens + 1) + 2 * self.ar_steps_per_sync
         prompt_len = max(1, min(prompt_len, max_len - 1, self.max_seq_len - 2))
-        params = SamplingParams(max_new_tokens=max(1, min(max_len, self.max_seq_len - 1) - prompt_len), eos_token_ids=())
+        new_tokens = max(1, min(max_len, self.max_seq_len - 1) - prompt_len)
         vocab = self.model.args.vocab_size
-        names = sorted(self.drafts)
-        mixes = [[None], *([n] for n in names)] + ([[None, *names]] if names else [])
         buckets = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
         gammas = list(self.gamma.gammas) if self.gamma.enabled else [None]
         governor, self.governor = self.governor, SpeculationGovernor(enabled=False)
         try:
-            for b in buckets:
-                sizes = [b] + ([b - 1] if b > 1 and self.batch_bucket(b - 1) == b else [])
-                for n in sizes:
-                    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)] for i in range(n)]
-                    for mix in mixes:
-                        for gamma in (gammas if mix != [None] else [None]):
-                            self.gamma.forced = gamma
-                            generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(n)])
+            for kind in sampling:
+                params = SamplingParams(max_new_tokens=new_tokens, eos_token_ids=(), seed=0, **kinds[kind])
+                for b in buckets:
+                    prompts = [[(7 + 31 * i + 17 * j) % vocab for j in range(prompt_len)] for i in range(b)]
+                    for scattered in (False, True):
+                        self._scatter_rows = scattered
+                        for mix in mixes:
+                            if len(mix) > 1 and b < 2:
+                                continue  # one row holds one draft
+                            for gamma in (gammas if mix != [None] else [None]):
+                                self.gamma.forced = gamma
+                                generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(b)])
         finally:
             self.governor = governor
             self.gamma.forced = None
+            self._scatter_rows = False
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
             self._wait_ahead()
@@ -686,9 +716,14 @@ class DecodeEngine:
 
     # ----- model calls (captured as CUDA graphs on GPU) -------------------------------------
     def kv_bucket(self, kv_len: int) -> int:
-        """Slots to attend: exact on CPU; rounded up to a multiple of 64 with graphs (fewer shapes to capture)."""
+        """Slots a step attends: exact without graphs. With graphs, the whole cache where the attention backend
+        reads no slot past a row's last position (`bounds_by_position`, the Triton kernel on CUDA): one graph
+        then serves every sequence length, and `warmup` captures all a replica will run. Otherwise rounded up
+        to a multiple of 64 (fewer shapes to capture; longer sequences capture their buckets on first use)."""
         if not self.graphs.enabled:
             return kv_len
+        if getattr(self.model.backend, "bounds_by_position", False):
+            return self.cache.max_seq_len
         return min(-(-kv_len // 64) * 64, self.cache.max_seq_len)
 
     def batch_bucket(self, n: int) -> int:
@@ -713,7 +748,7 @@ class DecodeEngine:
         """
         if isinstance(rows, slice):
             n = rows.stop - rows.start
-            if rows.start == 0 and n == self.batch_bucket(n):
+            if rows.start == 0 and n == self.batch_bucket(n) and not self._scatter_rows:
                 return self.graphs.run(key + ("rows", n), fn, inputs, owners)
             rows = torch.arange(rows.start, rows.stop, device=self.device)
         n = len(rows)

@@ -40,12 +40,13 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def attend(Q, K, V, M, O, LSE, ROWS,
+    def attend(Q, K, V, M, O, LSE, ROWS, POS,
                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smt, sms,
-               sob, soh, sot, sod, so_split, slb, slh, slt, sl_split,
+               sob, soh, sot, sod, so_split, slb, slh, slt, sl_split, spb, spt,
                T, S, per_split, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr):
+               IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_POS: tl.constexpr,
+               BLOCK_T: tl.constexpr):
         b = tl.program_id(0)
         if HAS_ROWS:
             kb = tl.load(ROWS + b)  # the cache row this batch row reads, in place (no gathered copy)
@@ -53,6 +54,17 @@ def _kernels():
             kb = b
         hk = tl.program_id(1)
         sp = tl.program_id(2)
+        if HAS_POS:
+            # Slot == position: nothing past the row's last query position is visible. The row's splits share
+            # its filled slots (whole blocks each); splits past them exit at once. So a graph captured over the
+            # whole cache reads only what the row has filled, whatever its length at replay.
+            tt = tl.arange(0, BLOCK_T)
+            limit = tl.max(tl.load(POS + b * spb + tt * spt, mask=tt < T, other=0), 0) + 1
+            limit = tl.minimum(limit, S).to(tl.int32)
+            per = tl.cdiv(tl.cdiv(limit, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+        else:
+            limit = S
+            per = per_split
         m = tl.arange(0, BLOCK_M)
         d = tl.arange(0, D)
         g = m // T  # query head within the group
@@ -63,10 +75,10 @@ def _kernels():
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        start = sp * per_split
-        for n0 in range(0, per_split, BLOCK_N):  # per_split: a multiple of BLOCK_N
-            n = start + n0 + tl.arange(0, BLOCK_N)
-            inside = n < S
+        start = sp * per
+        for n0 in range(start, start + per, BLOCK_N):  # per: a multiple of BLOCK_N
+            n = n0 + tl.arange(0, BLOCK_N)
+            inside = n < limit
             k = tl.load(K + kb * skb + hk * skh + n[:, None] * sks + d[None, :] * skd, mask=inside[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -125,13 +137,18 @@ def _splits(batch_heads: int, slots: int) -> int:
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      splits: int | None = None, rows: torch.Tensor | None = None,
-                     kv_len: int | None = None) -> torch.Tensor | None:
+                     kv_len: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
     """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = visible) -> (B, Hq, T, D),
     or None when the kernel does not serve this call (use SDPA).
 
     With `rows` (B,) int64: k and v are a whole cache layer (R, Hkv, S_max, D), batch row b attends the
     first `kv_len` slots of cache row rows[b] in place: no gathered copy of the rows' keys and values
-    (`KVCache.read` with an index tensor copies them all, every layer of every step)."""
+    (`KVCache.read` with an index tensor copies them all, every layer of every step).
+
+    With `positions` (B, T), the queries' positions in a cache whose slot is the position (the mask shows
+    a query no slot past its own position): row b reads only slots up to its largest position, the rest
+    of the S slots are skipped, not masked. S can then be the whole cache, and one CUDA graph serves every
+    sequence length (`DecodeEngine.kv_bucket`)."""
     bsz, hq, t, d = q.shape
     hkv = k.shape[1]
     s = k.shape[2] if rows is None else kv_len
@@ -139,29 +156,34 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if (not served(q) or hq % hkv or group * t > MAX_TILE_ROWS or d not in (16, 32, 64, 128, 256)
             or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype)
             or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[-1] != s
-            or (rows is not None and (rows.shape != (bsz,) or rows.dtype != torch.long or s > k.shape[2]))):
+            or (rows is not None and (rows.shape != (bsz,) or rows.dtype != torch.long or s > k.shape[2]))
+            or (positions is not None and positions.shape != (bsz, t))):
         return None
     attend, merge = _kernels()
     block_m = max(16, 1 << (group * t - 1).bit_length())
     n_split = splits if splits is not None else _splits(bsz * hkv, s)
     per_split = -(-s // n_split)
     per_split = -(-per_split // BLOCK_N) * BLOCK_N  # whole blocks per split
-    n_split = -(-s // per_split)
+    if positions is None:
+        n_split = -(-s // per_split)
+    # else: each program splits its row's filled slots (in whole blocks) among the n_split programs itself
     m8 = mask.view(torch.uint8)
     mb, _, mt, ms = m8.stride()
     common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
-                  HAS_ROWS=rows is not None, num_warps=4)
+                  HAS_ROWS=rows is not None, HAS_POS=positions is not None,
+                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), num_warps=4)
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
+    pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))
     scale = d ** -0.5
     if n_split == 1:
         out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
-        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
-                              *out.stride(), 0, 0, 0, 0, 0, t, s, per_split, scale, SPLIT=False, **common)
+        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
+                              *out.stride(), 0, 0, 0, 0, 0, *pos_strides, t, s, per_split, scale, SPLIT=False, **common)
         return out
     part = torch.empty(n_split, bsz, hq, t, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_split, bsz, hq, t, device=q.device, dtype=torch.float32)
-    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
-                                *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0),
+    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt,
+                                ms, *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0), *pos_strides,
                                 t, s, per_split, scale, SPLIT=True, **common)
     out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
     merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,

@@ -163,7 +163,23 @@ class GeneratorCore:
             self._requested[domain] = version
             self.refusals.pop(domain, None)
             log.info("draft %s/%s active on replica %s", domain, self.versions[domain], self.replica)
+            self._warm_draft(domain)
             return "ok"
+
+    def _warm_draft(self, domain: str) -> int:
+        """After the replica's warm-up, a new draft's graphs (its own, and mixed batches') are captured at once
+        while the replica is idle; a busy replica captures them on first use."""
+        if not (self._warmed and self.args.graph_warmup_tokens):
+            return 0
+        tokens = self.args.graph_warmup_tokens
+        try:
+            n = self.loop.call(lambda eng: 0 if eng.has_work() else eng.warm_draft(domain, tokens)).result()
+        except Exception:  # the draft serves anyway; its graphs are captured on first use instead
+            log.exception("CUDA graph warm-up of draft %s failed on replica %s", domain, self.replica)
+            return 0
+        if n:
+            log.info("replica %s captured %d CUDA graphs for draft %s", self.replica, n, domain)
+        return n
 
     def catch_up(self) -> None:
         """Apply the registry's activations newer than the last applied one (admin pushes)."""

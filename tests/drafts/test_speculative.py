@@ -17,6 +17,8 @@ import torch
 import engine.speculative as speculative
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
+from engine.attention import SdpaBackend
+from engine.gamma import GammaController
 from engine.generate import generate
 from engine.requests import Request
 from engine.sampling import SamplingParams, processed_probs, sample
@@ -623,6 +625,56 @@ def test_warmup_captures_the_bucket_shapes_ahead_of_traffic(target):
     assert len(eng.graphs) == captured
     expected = ar_greedy(target, (6, 9, 4), 20)
     assert [r.token_ids for r in plain] == expected and [r.token_ids for r in spec] == expected
+
+
+class BoundedSdpa(SdpaBackend):
+    """SDPA standing in for a backend that reads no cache slot past a row's position (the Triton kernel on
+    CUDA; the mask hides those slots, so the tokens are the same): the engine then keys no graph by length."""
+
+    bounds_by_position = True
+
+
+def _traffic(eng, vocab: int) -> list:
+    """Greedy, sampled and top-p requests, plain, one draft, two of three drafts and plain rows mixed, more of
+    them than rows (later ones land in scattered rows as others finish), longer than warm-up generates."""
+    lengths, news = (6, 9, 4, 7, 12, 5), (50, 23, 61, 8, 40, 33)
+    prompts = prompts_for(vocab, lengths)
+    outs = []
+    for kind in ({}, {"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9}):
+        params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), seed=i, **kind) for i, n in enumerate(news)]
+        for mix in ([None] * 6, ["a"] * 6, ["a", "b", "a", "b", "b", "a"], [None, "a", "c", None, "b", "c"]):
+            outs.append(generate(eng, prompts, params, draft=mix))
+    return outs
+
+
+def test_warmup_with_a_position_bounded_backend_captures_every_graph_serving_runs(target, monkeypatch):
+    """With attention bounded by position, graphs do not depend on the sequence length: warm-up captures every
+    graph, and traffic of any length, sampling kind, row layout and mix of drafts captures none (a mix runs
+    all three drafts). Greedy tokens stay exact; replacing a draft and `warm_draft` restore the state."""
+    model = target
+    monkeypatch.setattr(model, "backend", BoundedSdpa())
+    eng = DecodeEngine(model, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(3, 3), cuda_graphs="emulate",
+                       gamma=GammaController(3))
+    eng.add_draft("a", noisy(oracle(model), 0.3))
+    eng.add_draft("b", oracle(model, deep=True))
+    eng.add_draft("c", noisy(oracle(model), 0.6, seed=9))
+    assert eng.kv_bucket(5) == eng.kv_bucket(100) == eng.cache.max_seq_len
+    assert eng.warmup(max_len=16, prompt_len=4) > 0
+    warmed = eng.graphs.captures
+    outs = _traffic(eng, model.args.vocab_size)
+    assert eng.graphs.captures == warmed
+    expected = ar_greedy(target, (6, 9, 4, 7, 12, 5), 61)
+    for out in outs[:4]:  # greedy: the target's own tokens
+        assert [r.token_ids for r in out] == [e[:len(r.token_ids)] for e, r in zip(expected, out)]
+        assert [len(r.token_ids) for r in out] == [50, 23, 61, 8, 40, 33]
+    assert {k[1] for k in eng.graphs.graphs if k[0] == "greedy-round"} == {1, 3}  # one draft, or all three
+    eng.add_draft("b", noisy(oracle(model), 0.2, seed=4))  # a new version: its graphs and the mixes' go
+    assert eng.warm_draft("b", max_len=16, prompt_len=4) > 0
+    warmed = eng.graphs.captures
+    _traffic(eng, model.args.vocab_size)
+    assert eng.graphs.captures == warmed
+    with pytest.raises(ValueError, match="unknown warm-up sampling"):
+        eng.warmup(sampling=("beam",))
 
 
 def test_replacing_a_draft_drops_its_graphs(target):

@@ -50,6 +50,23 @@ for splits in (1, 3):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 assert triton_attention(q, cache_k, cache_v, mask, rows=rows, kv_len=s + 1) is None  # the mask is for s slots
 assert triton_attention(q, cache_k, cache_v, mask[:, :, :, :300], rows=torch.tensor([3]), kv_len=s) is None
+# Bounded by position over the whole cache (slot == position): slots past a row's last query position are
+# never read. NaN there would reach the output through a masked block (0 * NaN); the kernel must skip them.
+full = 400
+big = torch.arange(full)[None, None, None, :] <= pos[:, None, :, None]
+ck, cv = torch.randn(5, hkv, full, d), torch.randn(5, hkv, full, d)
+ck[rows, :, :s], cv[rows, :, :s] = k, v
+for r, p in zip(rows.tolist(), pos[:, -1].tolist()):
+    ck[r, :, p + 1:], cv[r, :, p + 1:] = float("nan"), float("nan")
+causal = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
+ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+for splits in (None, 1, 3, 16):
+    out = triton_attention(q, ck, cv, big, splits=splits, rows=rows, kv_len=full, positions=pos)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # rows 0..B-1 as a view of the whole cache (no rows input)
+    out = triton_attention(q, ck[rows], cv[rows], big, splits=splits, positions=pos)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+assert triton_attention(q, ck, cv, big, rows=rows, kv_len=full, positions=pos[:, :1]) is None  # one position per query
 print("ok")
 """
 

@@ -91,3 +91,60 @@ def test_engine_on_triton_attention_is_lossless(block):
     target.set_attention_backend("sdpa")
     assert outs[("triton", "spec")] == outs[("triton", "ar")]
     assert outs[("triton", "ar")] == outs[("sdpa", "ar")]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 6), (8, 6)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_positions_bound_the_slots_read(dtype, tol, b, t, splits, in_place):
+    """Over a whole 2,048-slot cache, each row reads only up to its last position: NaN past it stays unread."""
+    s = 2048
+    q, k, v, _ = inputs(b, 9, 3, t, s, 64, dtype)
+    g = torch.Generator(device="cuda").manual_seed(b + t)
+    pos = torch.randint(0, 700, (b, 1), device="cuda", generator=g) + torch.arange(t, device="cuda")
+    mask = torch.arange(s, device="cuda")[None, None, None, :] <= pos[:, None, :, None]
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    for i in range(b):
+        k[i, :, pos[i, -1] + 1:], v[i, :, pos[i, -1] + 1:] = float("nan"), float("nan")
+    if in_place:
+        rows = torch.arange(b, device="cuda").flip(0)
+        out = triton_attention(q, k.flip(0), v.flip(0), mask, splits=splits, rows=rows, kv_len=s, positions=pos)
+    else:
+        out = triton_attention(q, k, v, mask, splits=splits, positions=pos)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_warmup_on_triton_attention_captures_every_graph_traffic_runs():
+    """Graphs over the whole cache, bounded by position: warm-up captures all of them; greedy, sampled and top-p
+    requests of mixed drafts and lengths, more than the rows, capture nothing more; greedy tokens as eager."""
+    from engine.gamma import GammaController
+    from tests.gpu.test_cuda_graphs import _drafts
+
+    target = tiny_target(torch.float32)
+    target.set_attention_backend("triton")
+    try:
+        drafts = _drafts(target)
+        lengths, news = (5, 17, 2, 30, 9, 12, 7), (40, 90, 9, 120, 3, 60, 150)
+        prompts = [[(11 * i + 3 * j) % 250 + 2 for j in range(n)] for i, n in enumerate(lengths)]
+        names = ["d0", "d1", None, "d2", "d1", "d0", "d2"]
+        outs = {}
+        for graphs in (False, True):
+            eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=256, spec=SpecConfig(3, 3),
+                               cuda_graphs=graphs, gamma=GammaController(3))
+            for d in drafts:
+                eng.add_draft(d.name, d)
+            if graphs:
+                assert eng.kv_bucket(1) == eng.cache.max_seq_len
+                assert eng.warmup(prompt_len=8) > 0
+                warmed = eng.graphs.captures
+            for kind in ({}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}):
+                params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), seed=i, **kind) for i, n in enumerate(news)]
+                got = generate(eng, prompts, params, names)
+                outs.setdefault(graphs, []).append([r.token_ids for r in got])
+            if graphs:
+                assert eng.graphs.captures == warmed
+        assert outs[True][0] == outs[False][0]  # greedy: fp32, exact
+        assert [list(map(len, o)) for o in outs[True]] == [list(news)] * 3
+    finally:
+        target.set_attention_backend("sdpa")
