@@ -227,8 +227,7 @@ class DecodeEngine:
                 generate(self, [list(prompt)] * rows, params)
         return {rows: self.governor.plain_samples(rows) for rows in batch_sizes}
 
-    def warmup(self, max_len: int = 256, prompt_len: int = 32,
-               sampling: tuple[str, ...] = ("greedy", "sampled", "filtered")) -> int:
+    def warmup(self, max_len: int = 256, prompt_len: int = 32, sampling: tuple[str, ...] | None = None) -> int:
         """Capture the CUDA graphs serving meets, before any request waits on a capture.
 
         For every batch-size bucket, with the rows at 0..b-1 (the rows as views) and scattered (the rows a
@@ -237,17 +236,20 @@ class DecodeEngine:
         adaptive controller, for each kind of request in `sampling`: greedy, sampled (temperature > 0),
         filtered (sampled with top-k or top-p). Where the attention backend bounds each row by its position
         (the Triton kernel on CUDA) a graph serves every sequence length: a few rounds per case capture them
-        all, every graph the replica runs until a draft is replaced (`warm_draft`). Otherwise graphs depend
-        on the KV length bucket: sequences run up to `max_len` tokens, longer ones capture their buckets on
-        first use. The governor and the gamma controller learn nothing from it (their figures come from
-        real traffic). Returns the graphs captured; without graphs it does nothing.
+        all, every graph the replica runs until a draft is replaced (`warm_draft`); `sampling` defaults to
+        all three kinds (on the H200 with three drafts, batch 8, gamma 1-5: 234 graphs in 154 s, 1.2 GiB,
+        and no capture in later traffic; bench/RESULTS.md, run 20). Otherwise graphs depend on the KV
+        length bucket: sequences run up to `max_len` tokens (each case a whole generation), longer ones
+        capture their buckets on first use, and `sampling` defaults to greedy alone (sampled requests
+        capture theirs on first use). The governor and the gamma controller learn nothing from it (their
+        figures come from real traffic). Returns the graphs captured; without graphs it does nothing.
         """
         names = sorted(self.drafts)
         return self._warm([[None], *([n] for n in names)] + ([names] if len(names) > 1 else []), max_len,
                           prompt_len, sampling)
 
     def warm_draft(self, name: str, max_len: int = 256, prompt_len: int = 32,
-                   sampling: tuple[str, ...] = ("greedy", "sampled", "filtered")) -> int:
+                   sampling: tuple[str, ...] | None = None) -> int:
         """After `add_draft(name, ...)` (a replaced draft's graphs, the mixes' included, are dropped): capture
         the graphs of draft `name` and of mixed batches again, as `warmup` does. Returns the graphs captured."""
         if name not in self.drafts:
@@ -255,12 +257,15 @@ class DecodeEngine:
         names = sorted(self.drafts)
         return self._warm([[name]] + ([names] if len(names) > 1 else []), max_len, prompt_len, sampling)
 
-    def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...]) -> int:
+    def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...] | None) -> int:
         """Generate over every (sampling kind, batch bucket, row layout, mix, gamma): `warmup`."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
 
         kinds = {"greedy": {}, "sampled": {"temperature": 1.0}, "filtered": {"temperature": 1.0, "top_p": 0.9}}
+        length_free = self.kv_bucket(1) == self.kv_bucket(self.max_seq_len)  # graphs independent of the length
+        if sampling is None:
+            sampling = tuple(kinds) if length_free else ("greedy",)
         unknown = sorted(set(sampling) - set(kinds))
         if unknown:
             raise ValueError(f"unknown warm-up sampling {unknown}; choose from {', '.join(kinds)}")
@@ -269,7 +274,7 @@ class DecodeEngine:
         if self.has_work():
             raise RuntimeError("warm-up runs on an idle engine (before it takes requests)")
         before = self.graphs.captures
-        if self.kv_bucket(1) == self.kv_bucket(self.max_seq_len):  # graphs independent of the sequence length
+        if length_free:  # a few rounds per case capture everything
             max_len = prompt_len + 3 * (self.spec.num_speculative_tokens + 1) + 2 * self.ar_steps_per_sync
         prompt_len = max(1, min(prompt_len, max_len - 1, self.max_seq_len - 2))
         new_tokens = max(1, min(max_len, self.max_seq_len - 1) - prompt_len)
