@@ -237,6 +237,22 @@ def print_kernels(by: dict, top: int, indent: str) -> None:
         print(f"{indent}{count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
 
 
+def fused_default(attention: str):
+    """The embedded default target on the GPU in bf16, fused for inference, with `attention`, and the shipped
+    drafts, fused: (loaded model, {domain: draft})."""
+    from bench.gpu import load_drafts
+    from engine.fused import fuse_for_inference
+    from engine.loading import load_model
+
+    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    loaded.model.fuse_for_inference(compile=True)
+    drafts = load_drafts("drafts/demo", loaded.model)
+    for draft in drafts.values():
+        fuse_for_inference(draft, compile=True)
+    loaded.model.set_attention_backend(attention)
+    return loaded, drafts
+
+
 @torch.no_grad()
 def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
@@ -246,21 +262,14 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed."""
-    from bench.gpu import load_drafts, pick_prompts
-    from engine.fused import fuse_for_inference
+    from bench.gpu import pick_prompts
     from engine.generate import generate
-    from engine.loading import load_model
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
-    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    loaded, drafts = fused_default(attention)
     model = loaded.model
-    model.fuse_for_inference(compile=True)
-    drafts = load_drafts("drafts/demo", model)
-    for draft in drafts.values():
-        fuse_for_inference(draft, compile=True)
-    model.set_attention_backend(attention)
     data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
     new = 256 if kind == "long" else 20
     cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True, False),
@@ -323,22 +332,15 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
     `DecodeEngine.warmup` (every sampling kind) and the GPU memory its graphs hold; then runs greedy, T=1 and
     top-p traffic (long prompts of the three domains, twice as many requests as rows, so rows finish and
     refill at scattered slots, and one-draft batches) and counts the graphs it still captures."""
-    from bench.gpu import load_drafts, pick_prompts
-    from engine.fused import fuse_for_inference
+    from bench.gpu import pick_prompts
     from engine.gamma import GammaController
     from engine.generate import generate
-    from engine.loading import load_model
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
-    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    loaded, drafts = fused_default(attention)
     model = loaded.model
-    model.fuse_for_inference(compile=True)
-    drafts = load_drafts("drafts/demo", model)
-    for draft in drafts.values():
-        fuse_for_inference(draft, compile=True)
-    model.set_attention_backend(attention)
     eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=max_batch, max_seq_len=2048, spec=SpecConfig(5, 5),
                        gamma=GammaController(5), overlap=overlap)
     for name, draft in drafts.items():

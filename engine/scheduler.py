@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -249,15 +249,18 @@ class DecodeEngine:
                           prompt_len, sampling)
 
     def warm_draft(self, name: str, max_len: int = 256, prompt_len: int = 32,
-                   sampling: tuple[str, ...] | None = None) -> int:
+                   sampling: tuple[str, ...] | None = None, stop: Callable[[], bool] | None = None) -> int:
         """After `add_draft(name, ...)` (a replaced draft's graphs, the mixes' included, are dropped): capture
-        the graphs of draft `name` and of mixed batches again, as `warmup` does. Returns the graphs captured."""
+        the graphs of draft `name` and of mixed batches again, as `warmup` does. `stop()`, asked before each
+        warm-up generation, ends it early (a request arrived: the rest are captured on first use). Returns
+        the graphs captured."""
         if name not in self.drafts:
             raise KeyError(f"no draft named {name!r}")
         names = sorted(self.drafts)
-        return self._warm([[name]] + ([names] if len(names) > 1 else []), max_len, prompt_len, sampling)
+        return self._warm([[name]] + ([names] if len(names) > 1 else []), max_len, prompt_len, sampling, stop)
 
-    def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...] | None) -> int:
+    def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...] | None,
+              stop: Callable[[], bool] | None = None) -> int:
         """Generate over every (sampling kind, batch bucket, row layout, mix, gamma): `warmup`."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
@@ -293,6 +296,8 @@ class DecodeEngine:
                             if len(mix) > 1 and b < 2:
                                 continue  # one row holds one draft
                             for gamma in (gammas if mix != [None] else [None]):
+                                if stop is not None and stop():
+                                    return self.graphs.captures - before  # (the finally clause still runs)
                                 self.gamma.forced = gamma
                                 generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(b)])
         finally:

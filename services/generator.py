@@ -166,20 +166,26 @@ class GeneratorCore:
             self._warm_draft(domain)
             return "ok"
 
-    def _warm_draft(self, domain: str) -> int:
-        """After the replica's warm-up, a new draft's graphs (its own, and mixed batches') are captured at once
-        while the replica is idle; a busy replica captures them on first use."""
+    def _warm_draft(self, domain: str) -> None:
+        """After the replica's warm-up, a new draft's graphs (its own, and mixed batches') are captured on the
+        engine thread while no request is in flight; a request arriving meanwhile ends it, and what is left is
+        captured on first use. Does not wait: an activation returns at once."""
         if not (self._warmed and self.args.graph_warmup_tokens):
-            return 0
-        tokens = self.args.graph_warmup_tokens
-        try:
-            n = self.loop.call(lambda eng: 0 if eng.has_work() else eng.warm_draft(domain, tokens)).result()
-        except Exception:  # the draft serves anyway; its graphs are captured on first use instead
-            log.exception("CUDA graph warm-up of draft %s failed on replica %s", domain, self.replica)
-            return 0
-        if n:
-            log.info("replica %s captured %d CUDA graphs for draft %s", self.replica, n, domain)
-        return n
+            return
+        tokens, loop = self.args.graph_warmup_tokens, self.loop
+
+        def busy() -> bool:
+            return loop.in_flight > 0
+
+        def done(future) -> None:
+            if future.exception() is not None:
+                log.error("CUDA graph warm-up of draft %s failed on replica %s: %s", domain, self.replica,
+                          future.exception())
+            elif future.result():
+                log.info("replica %s captured %d CUDA graphs for draft %s", self.replica, future.result(), domain)
+
+        loop.call(lambda eng: 0 if eng.has_work() or busy() else eng.warm_draft(domain, tokens, stop=busy)
+                  ).add_done_callback(done)
 
     def catch_up(self) -> None:
         """Apply the registry's activations newer than the last applied one (admin pushes)."""

@@ -675,6 +675,15 @@ def test_warmup_with_a_position_bounded_backend_captures_every_graph_serving_run
     assert eng.graphs.captures == warmed
     with pytest.raises(ValueError, match="unknown warm-up sampling"):
         eng.warmup(sampling=("beam",))
+    # A request arriving ends a draft's warm-up early (asked before each warm-up generation); the engine is
+    # left idle and whole.
+    eng.add_draft("c", noisy(oracle(model), 0.5, seed=11))
+    asked = []
+    assert eng.warm_draft("c", stop=lambda: asked.append(1) or len(asked) > 2) > 0
+    assert len(asked) == 3 and not eng.has_work() and eng.gamma.forced is None
+    assert eng.warm_draft("c", stop=lambda: True) == 0
+    with pytest.raises(KeyError, match="no draft named 'd'"):
+        eng.warm_draft("d")
 
 
 def test_replacing_a_draft_drops_its_graphs(target):
