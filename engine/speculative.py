@@ -327,7 +327,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     A batch mixing drafts runs every one of its drafts over all its rows, with each row's draft index a
     graph input: a draft reads and writes its adapter cache and deep-feature buffers only at its own rows
     (the others point at the scratch row) and its predictions are kept only there. So the graph depends
-    on how many rows each draft has, nor their order. A batch of one draft runs that draft alone; a batch
+    neither on how many rows each draft has nor on their order. A batch of one draft runs that draft alone; a batch
     mixing drafts runs every loaded draft (and any replaced one its rows still hold), whichever of them it
     holds: with three drafts that is 4 graphs per batch bucket and gamma, not 7, all of which
     `DecodeEngine.warmup` captures. On a GPU a few rows more per draft cost nothing: these GEMMs are
