@@ -30,6 +30,19 @@ from engine.text import TextStream
 from engine.triton_kernels import argmax
 
 
+SAMPLED = ":sampled"
+
+
+def governed(request: Request) -> str:
+    """The name a request's speculation is measured and judged under (the governor's costs, the gamma
+    controller's acceptance): its draft, and whether it samples. A draft's acceptance, and so whether
+    speculating pays, is its own for each: on the H200 the shipped drafts at gamma 5 ran 1.11x plain
+    decoding greedy and 0.74x at T=1 (batch 1, bench/RESULTS.md run 20); judged together, greedy traffic
+    would keep sampled requests speculating at a loss, or sampled traffic turn it off for greedy ones."""
+    name = request.draft or ""
+    return name if request.params.greedy else name + SAMPLED
+
+
 class DecodeEngine:
     def __init__(
         self,
@@ -140,7 +153,8 @@ class DecodeEngine:
         old = self.drafts.get(name)
         if old is not None and old is not draft:
             self.graphs.discard(id(old))  # running rows keep the old draft: their graphs are captured again
-            self.gamma.forget(name)  # the new version's acceptance is its own
+            for mode in (name, f"{name}{SAMPLED}"):
+                self.gamma.forget(mode)  # the new version's acceptance is its own
         self.drafts[name] = draft
 
     def remove_draft(self, name: str) -> None:
@@ -368,23 +382,26 @@ class DecodeEngine:
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
             if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
-                    and not self.governor.keep_speculating(s.request.draft or "", running)):
+                    and not self.governor.keep_speculating(governed(s.request), running)):
                 s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
         """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample)."""
         if seconds is not None:
-            for name in {s.request.draft for s in spec_rows}:
-                self.governor.observe_spec(name or "", running, seconds, sum(map(len, result.tokens)))
+            for name in {governed(s.request) for s in spec_rows}:
+                self.governor.observe_spec(name, running, seconds, sum(map(len, result.tokens)))
 
     def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
         """This round's SpecConfig: gamma at the gamma controller's choice (`engine.gamma`) when it is on, with
         what to report back to it, (key, draft names); else the engine's."""
         if not self.gamma.enabled:
             return self.spec, None
-        names = [s.request.draft or "" for s in spec_rows]
-        key = (batch_bucket(len(spec_rows)), len({id(s.draft) for s in spec_rows}),
+        names = [governed(s.request) for s in spec_rows]
+        held = {id(s.draft) for s in spec_rows}
+        if len(held) > 1 and self.graphs.enabled and self.mixed_round_graph:
+            held |= {id(d) for d in self.drafts.values()}  # a one-graph mixed round runs every loaded draft
+        key = (batch_bucket(len(spec_rows)), len(held),
                all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
         # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
         seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
@@ -469,7 +486,7 @@ class DecodeEngine:
             req = self.waiting.popleft()
             slot = free.pop(0)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not self.governor.allow(req.draft, rows):
+            if draft is not None and not self.governor.allow(governed(req), rows):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None

@@ -9,6 +9,7 @@ Drafts used (target: 4 layers, every draft shares layer 0):
 
 from __future__ import annotations
 
+import ast
 import functools
 
 import pytest
@@ -668,6 +669,8 @@ def test_warmup_with_a_position_bounded_backend_captures_every_graph_serving_run
         assert [r.token_ids for r in out] == [e[:len(r.token_ids)] for e, r in zip(expected, out)]
         assert [len(r.token_ids) for r in out] == [50, 23, 61, 8, 40, 33]
     assert {k[1] for k in eng.graphs.graphs if k[0] == "greedy-round"} == {1, 3}  # one draft, or all three
+    # The gamma controller prices a round by the graph it runs: a pair of drafts as the three-draft graph.
+    assert {ast.literal_eval(k)[1] for k in eng.gamma.snapshot()["round_ms"]} == {1, 3}
     eng.add_draft("b", noisy(oracle(model), 0.2, seed=4))  # a new version: its graphs and the mixes' go
     assert eng.warm_draft("b", max_len=16, prompt_len=4) > 0
     warmed = eng.graphs.captures

@@ -321,3 +321,29 @@ def test_noisy_rounds_keep_a_paying_draft_on():
               for s in (1.33, 1.15, 0.95, 0.6)}
     assert shares[1.33] > 0.95 and shares[1.15] > 0.6, shares
     assert shares[0.95] < 0.05 and shares[0.6] < 0.01, shares
+
+
+def test_greedy_and_sampled_requests_of_a_draft_are_judged_apart(tiny):
+    """Acceptance differs between greedy and sampled requests of one draft: the governor prices them under
+    separate names, so speculation priced out for sampled requests still runs for greedy ones (and the
+    gamma controller keeps their acceptance apart too)."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.gamma import GammaController
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
+    gov = SpeculationGovernor(min_samples=2)
+    ctl = GammaController(3)
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov, gamma=ctl, spec=SpecConfig(3, 3))
+    eng.add_draft("d", draft)
+    feed(gov, "d", ar_cost=1.0, spec_cost=1e-6)  # greedy: speculation pays
+    feed(gov, "d:sampled", ar_cost=1.0, spec_cost=10.0)  # sampled: it does not
+    greedy = SamplingParams(max_new_tokens=12, eos_token_ids=())
+    sampled = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=1.0, seed=3)
+    assert generate(eng, [[1, 2, 3]], greedy, "d")[0].stats.rounds > 0
+    assert generate(eng, [[1, 2, 3]], sampled, "d")[0].stats is None  # decoded plainly
+    assert "d" in ctl.snapshot()["survival"] and "d:sampled" not in ctl.snapshot()["survival"]
