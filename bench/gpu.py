@@ -25,7 +25,9 @@ FlashSpec rows then run on the fused path alone).
 
 The engine rows of a cell run side by side: each is built and warmed up, then their timed passes take
 turns (pass p starts at row p), so a drift of the machine during the cell moves every row alike; the
-plain engine AR row of the unfused table runs first and alone (its outputs are the reference).
+plain engine AR row of the unfused table runs first and alone (its outputs are the reference). The
+table's last column is a row's slowest and fastest pass and, in brackets, the CUDA graphs it still
+captured inside them (a capture stalls the batch: such a row measured what a warmed-up server does not).
 
 --attention NAME runs every row with that attention backend (default sdpa); --attention-compare
 triton[,flex] then runs engine AR and the block-5 rows again with each other backend (on the fused
@@ -705,7 +707,8 @@ def main_table(bench: Bench, args) -> list[str]:
              + (f" ({args.short_passes} in the short cells)" if args.short_passes else ""),
              "",
              "| setting | path | tokens/s | vs engine AR | vs transformers static | mean accepted length | acceptance | "
-             "greedy agreement with AR | peak GiB |", "|---|---|---|---|---|---|---|---|---|"]
+             "greedy agreement with AR | peak GiB | passes (graphs captured in them) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     return lines + table_rows(bench.rows)
 
 
@@ -715,15 +718,25 @@ def table_rows(rows: list[dict]) -> list[str]:
     lines = []
     for r in rows:
         if r["tps"] is None:
-            lines.append(f"| {r['setting']} | {r['name']} | failed: {r['error']} | - | - | - | - | - | - |")
+            lines.append(f"| {r['setting']} | {r['name']} | failed: {r['error']} | - | - | - | - | - | - | - |")
             continue
         same = [x for x in rows if x["setting"] == r["setting"]]
         ar_tps = next((x["tps"] for x in same if x["name"] == "engine AR"), None)
         st_tps = next((x["tps"] for x in same if x["name"] == "transformers generate (static)"), None)
         lines.append(f"| {r['setting']} | {r['name']} | {r['tps']:.1f} | {fmt(r['tps'] / ar_tps if ar_tps else None)}x | "
                      f"{fmt(r['tps'] / st_tps if st_tps else None)}x | {fmt(r.get('mal'))} | {fmt(r.get('acc'))} | "
-                     f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} |")
+                     f"{fmt(r.get('agreement'), '{:.3f}')} | {fmt(r.get('peak_gb'))} | {spread(r)} |")
     return lines
+
+
+def spread(row: dict) -> str:
+    """A row's slowest and fastest measured pass, and the CUDA graphs captured inside them (each capture stalls
+    the batch for 0.2-2 s on the H200: a row with captures measured something a warmed-up server does not do)."""
+    passes = row.get("tps_passes") or []
+    if len(passes) < 2:
+        return "-"
+    captured = row.get("graphs_in_passes")
+    return f"{min(passes):.0f}-{max(passes):.0f}" + (f" ({captured})" if captured else "")
 
 
 def fp32_table(bench: Bench) -> list[str]:

@@ -42,12 +42,14 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
 
     failed = bench.measure("bs 1", "FlashSpec, governor", broken)
     assert failed["tps"] is None and failed["error"].startswith("RuntimeError: CUDA error: operation failed")
-    bench.measure("bs 1", "FlashSpec, block 5", lambda: {"tps": 150.0, "mal": 2.5})
+    bench.measure("bs 1", "FlashSpec, block 5", lambda: {"tps": 150.0, "mal": 2.5, "tps_passes": [149.6, 150.0, 163.2],
+                                                         "graphs_in_passes": 2})
     assert bench.measure("bs 1", "transformers lookup", lambda: None) is None  # a row that does not apply
     lines = table_rows(bench.rows)
     assert len(lines) == 3
     assert "failed: RuntimeError: CUDA error" in lines[1] and "more lines" not in lines[1]
-    assert "| 150.0 | 1.50x |" in lines[2]
+    assert "| 150.0 | 1.50x |" in lines[2] and lines[2].endswith("| 150-163 (2) |")  # passes' spread, captures
+    assert lines[0].endswith("| - |")
 
 
 def test_round_profile_without_a_gpu_says_so_and_where_to_run_it():
