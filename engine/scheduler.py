@@ -727,10 +727,11 @@ class DecodeEngine:
 
         def fn(tokens, input_pos, state, temperature, top_k, top_p, rows=rows):
             new = []
+            draws = uniform_at(state, 0, (tokens.shape[0], steps))  # all steps' draws in one hash of the counters
             for i in range(steps):
                 logits = model(tokens, input_pos, layers=layers, cache=cache, rows=rows, kv_len=kv_len).logits
                 probs = processed_probs(logits[:, -1], temperature, top_k, top_p, filtered)
-                tokens = sample_with(probs, uniform_at(state, i, (probs.shape[0],)))[:, None]
+                tokens = sample_with(probs, draws[:, i])[:, None]
                 new.append(tokens)
                 input_pos = input_pos + 1
             return (torch.cat(new, dim=1),)

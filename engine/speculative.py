@@ -382,6 +382,9 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             return out
 
         tokens, trunks, drafted, draft_probs = pending, [], [], []
+        # The round's 2 * gamma + 1 draws at once (draft j takes draw j, the verifier the rest): one hash of
+        # the counters instead of one per draft step and two for the verifier, about 50 small kernels each.
+        draws = None if greedy else uniform_at(state, 0, (pending.shape[0], 2 * gamma + 1))
         proxies: list = [None] * len(order)
         ar = torch.arange(pending.shape[0], device=pending.device)
         for j in range(gamma + 1):
@@ -417,7 +420,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                 tokens = pick(predictions)  # (bucket,)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
                 probs = processed_probs(pick(predictions), draft_temperature, top_k, top_p, filtered)
-                tokens = sample_with(probs, uniform_at(state, j, (probs.shape[0],)))
+                tokens = sample_with(probs, draws[:, j])
                 draft_probs.append(probs)
             drafted.append(tokens)
         drafted, trunks = torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
@@ -430,7 +433,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             res = verify_greedy(drafted, out.logits)
         else:
             target_probs = processed_probs(out.logits, temperature, top_k, top_p, filtered)
-            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, state=state, offset=gamma)
+            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, draws=draws[:, gamma:])
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each row gets its own draft's features

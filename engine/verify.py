@@ -43,21 +43,25 @@ def verify_sampled(
     streams: list[RandomStream] | None = None,
     state: torch.Tensor | None = None,
     offset: int = 0,
+    draws: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Leviathan et al.'s rejection sampling.
 
     draft_tokens (B, k); draft_probs (B, k, V) the distributions they were drawn from;
     target_probs (B, k+1, V) with the same temperature/top-k/top-p applied. Random draws: k + 1 per
-    row, from `streams` (advanced), or from device `state` (`engine.sampling.stream_state`) starting
-    `offset` draws in (nothing on the host: the captured sampled round).
+    row, from `streams` (advanced), from device `state` (`engine.sampling.stream_state`) starting
+    `offset` draws in, or given as `draws` (B, k + 1), those same numbers drawn ahead (nothing on the host:
+    the captured sampled round).
     """
     batch, k = draft_tokens.shape
-    if state is None:
-        state = stream_state(streams, draft_tokens.device)
-        advance(streams, k + 1)
+    if draws is None:
+        if state is None:
+            state = stream_state(streams, draft_tokens.device)
+            advance(streams, k + 1)
+        draws = uniform_at(state, offset, (batch, k + 1))
     target_prob = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     draft_prob = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
-    u = uniform_at(state, offset, (batch, k))
+    u = draws[:, :k]
     accepted = (u * draft_prob < target_prob).long()  # accept with probability min(1, target/draft)
     num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # (B,)
     # Pad the draft with a zero distribution at index k, so the bonus case is adjusted(t[k], 0) = t[k].
@@ -68,4 +72,4 @@ def verify_sampled(
     total = adjusted.sum(-1, keepdim=True)
     # target == draft exactly leaves no mass: then rejection never happens, keep the target as is.
     adjusted = torch.where(total > 0, adjusted / total.clamp_min(1e-30), target_at)
-    return VerifyResult(num_accepted, sample_with(adjusted, uniform_at(state, offset + k, (batch,))))
+    return VerifyResult(num_accepted, sample_with(adjusted, draws[:, k]))

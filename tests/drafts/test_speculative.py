@@ -556,13 +556,16 @@ def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_
         return real(eng, slots, drafts, gamma, kv_len, greedy)
 
     monkeypatch.setattr(speculative, "_captured_round", spy)
+    hashed = []  # one hash of the counters a round: each small op of it is a kernel in the graph
+    monkeypatch.setattr(speculative, "uniform_at", lambda *a, real=speculative.uniform_at: hashed.append(a[2]) or real(*a))
     emulated = spec_generate(target, draft, SpecConfig(5, 5), params=params, max_batch_size=8, cuda_graphs="emulate")
     assert [r.token_ids for r in emulated] == [r.token_ids for r in plain]
     assert False in captured  # sampled rounds went through the graph path
+    assert len(hashed) == captured.count(False) and {shape[1] for shape in hashed} == {11}  # 2 * gamma + 1 draws
     assert 0 < sum(r.stats.accepted for r in emulated) < sum(r.stats.drafted for r in emulated)  # both outcomes
 
 
-def test_sampled_plain_decoding_in_multi_step_graphs_matches_one_step_decoding(target):
+def test_sampled_plain_decoding_in_multi_step_graphs_matches_one_step_decoding(target, monkeypatch):
     """Plain sampled rows decode 4 steps per graph with the streams' state as an input; rows cut short
     (another row of the batch reaches its limit mid-graph) draw the same numbers again next call, so the
     seeded tokens equal one-step decoding's."""
@@ -571,6 +574,12 @@ def test_sampled_plain_decoding_in_multi_step_graphs_matches_one_step_decoding(t
     plain = spec_generate(target, None, SpecConfig(5, 5), params=params)
     graphs = spec_generate(target, None, SpecConfig(5, 5), params=params, cuda_graphs="emulate", ar_steps_per_sync=4)
     assert [r.token_ids for r in graphs] == [r.token_ids for r in plain]
+    import engine.scheduler as scheduler
+
+    hashed = []  # a 4-step call hashes its counters once, not once a step
+    monkeypatch.setattr(scheduler, "uniform_at", lambda *a, real=scheduler.uniform_at: hashed.append(a[2]) or real(*a))
+    spec_generate(target, None, SpecConfig(5, 5), params=params, cuda_graphs="emulate", ar_steps_per_sync=4)
+    assert hashed and {shape[1] for shape in hashed} == {4}
     assert [len(r.token_ids) for r in graphs] == [5, 9, 14, 22]
 
 
