@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine import triton_kernels
 from engine.attention import AttentionBackend, SdpaBackend
 from engine.cache import KVCache
 from engine.config import ModelArgs
@@ -72,15 +73,18 @@ class _FusableProjections(nn.Module):
         return out
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx: "StepContext",
+                     cache_layer: int) -> torch.Tensor:
     """Attention of q (B, Hq, T, D) over the new k, v (B, Hkv, T, D) and, with a cache, everything cached:
-    k and v are written at ctx.input_pos first. Scattered cache rows (an index tensor) are read in place by
-    a backend that can (`attend_rows`: the Triton kernel), instead of gathering a copy of every row's keys and
-    values each layer (on the H200 that copy was a quarter of a batch-8 round's kernel time)."""
+    k and v are written at ctx.input_pos first (k and v None: the caller wrote them already). Scattered cache
+    rows (an index tensor) are read in place by a backend that can (`attend_rows`: the Triton kernel),
+    instead of gathering a copy of every row's keys and values each layer (on the H200 that copy was a
+    quarter of a batch-8 round's kernel time)."""
     if ctx.cache is None:
         return ctx.backend(q, k, v, ctx.mask)
     cache = ctx.cache
-    cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
+    if k is not None:
+        cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
     positions = ctx.input_pos if cache.slot_is_position else None  # a backend may stop at each row's last one
     attend_rows = getattr(ctx.backend, "attend_rows", None)
     if attend_rows is not None and isinstance(ctx.rows, torch.Tensor) and cache.reads_in_place:
@@ -110,7 +114,16 @@ class Attention(_FusableProjections):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         n = bsz * seqlen
         qkv = self.qkv(x)  # (N, (Hq + 2 Hkv) D)
-        qk = kernels.rope_qk(qkv, ctx.cos.reshape(n, d), ctx.sin.reshape(n, d), hq + hkv, d)  # (N, Hq + Hkv, D)
+        cos, sin = ctx.cos.reshape(n, d), ctx.sin.reshape(n, d)
+        cache = ctx.cache
+        if cache is not None and cache.slot_is_position:
+            # One kernel: RoPE on q and k, and k and v into the cache (on CUDA; None elsewhere).
+            q = triton_kernels.rope_kv_write(qkv, cos, sin, cache.k[cache_layer], cache.v[cache_layer], ctx.rows,
+                                             ctx.input_pos, hq, hkv)
+            if q is not None:
+                out = cached_attention(q.view(bsz, seqlen, hq, d).transpose(1, 2), None, None, ctx, cache_layer)
+                return self.o_proj(out.transpose(1, 2).reshape(n, -1))
+        qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
         q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
         k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
         v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)

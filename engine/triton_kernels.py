@@ -1,5 +1,5 @@
 """Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
-and the argmax over the vocabulary.
+(alone, or with the fused path's rotary embedding) and the argmax over the vocabulary.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
 (on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
@@ -70,7 +70,45 @@ def _kernels():
         j = tl.argmax(v, 0, tie_break_left=True)
         tl.store(OUT + r, tl.load(IDX + r * C + j))
 
-    return kv_write_kernel, argmax_partial, argmax_final
+    @triton.jit
+    def rope_kv_write_kernel(QKV, COS, SIN, QO, KC, VC, ROWS, POS, row0, T, S,
+                             sqn, sqw, scn, scd, son, soh, sod,
+                             sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
+                             HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQP: tl.constexpr,
+                             HKP: tl.constexpr, HAS_ROWS: tl.constexpr):
+        """One program per (row, new token) of a fused q|k|v projection: RoPE on the query heads (out to QO)
+        and on the key heads, and the keys and values written into the cache at the token's position."""
+        i = tl.program_id(0)
+        b = i // T
+        t = i % T
+        if HAS_ROWS:
+            r = tl.load(ROWS + b).to(tl.int64)
+        else:
+            r = (row0 + b).to(tl.int64)
+        p = tl.load(POS + b * spb + t * spt).to(tl.int64)
+        d = tl.arange(0, D)
+        partner = (d + D // 2) % D  # rotate_half: x[d + D/2] negated in the first half, x[d - D/2] in the second
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        cos = tl.load(COS + i * scn + d * scd).to(tl.float32)
+        sin = tl.load(SIN + i * scn + d * scd).to(tl.float32)
+        row = QKV + i * sqn
+        hq = tl.arange(0, HQP)
+        mq = (hq[:, None] < HQ) & (d[None, :] < D)
+        x = tl.load(row + (hq[:, None] * D + d[None, :]) * sqw, mask=mq, other=0.0).to(tl.float32)
+        xr = tl.load(row + (hq[:, None] * D + partner[None, :]) * sqw, mask=mq, other=0.0).to(tl.float32)
+        q = x * cos[None, :] + xr * sign[None, :] * sin[None, :]
+        tl.store(QO + i * son + hq[:, None] * soh + d[None, :] * sod, q.to(QO.dtype.element_ty), mask=mq)
+        hk = tl.arange(0, HKP)
+        mk = (hk[:, None] < HKV) & (d[None, :] < D)
+        mw = mk & (p >= 0) & (p < S)
+        x = tl.load(row + ((HQ + hk[:, None]) * D + d[None, :]) * sqw, mask=mk, other=0.0).to(tl.float32)
+        xr = tl.load(row + ((HQ + hk[:, None]) * D + partner[None, :]) * sqw, mask=mk, other=0.0).to(tl.float32)
+        k = x * cos[None, :] + xr * sign[None, :] * sin[None, :]
+        tl.store(KC + r * sckr + hk[:, None] * sckh + p * scks + d[None, :] * sckd, k.to(KC.dtype.element_ty), mask=mw)
+        v = tl.load(row + ((HQ + HKV + hk[:, None]) * D + d[None, :]) * sqw, mask=mk, other=0.0)
+        tl.store(VC + r * scvr + hk[:, None] * scvh + p * scvs + d[None, :] * scvd, v, mask=mw)
+
+    return kv_write_kernel, argmax_partial, argmax_final, rope_kv_write_kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,6 +152,39 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torc
     return True
 
 
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, rows, input_pos: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor | None:
+    """The fused projection's rotary embedding and cache write in one launch, for a cache whose slot is the
+    position: qkv (N, (heads + 2 kv_heads) D) with N = B*T rows in (b, t) order; cos, sin (N, D);
+    k_cache/v_cache (R, kv_heads, S, D) of one layer; rows as `kv_write`'s; input_pos (B, T). Returns the
+    rotated queries (N, heads, D) and writes the rotated keys and the values at the rows' positions, as
+    `engine.rope.apply_rope_qk` followed by `kv_write` do (RoPE in fp32, rounded once to the cache's dtype,
+    as the compiled `rope_qk` computes it). On the fused path that is one kernel a layer instead of two.
+    None for calls it does not serve (the caller does both steps as before)."""
+    bsz, t = input_pos.shape
+    d = k_cache.shape[-1] if k_cache.dim() == 4 else 0
+    if (not ENABLED or not available() or not served(qkv, cos, sin, k_cache, v_cache, input_pos) or d & (d - 1) or d < 16
+            or qkv.dim() != 2 or qkv.shape != (bsz * t, (heads + 2 * kv_heads) * d) or cos.shape != (bsz * t, d)
+            or sin.stride() != cos.stride() or k_cache.shape[1] != kv_heads
+            or not (qkv.dtype == cos.dtype == sin.dtype == k_cache.dtype == v_cache.dtype)
+            or input_pos.dtype not in (torch.int64, torch.int32)
+            or (isinstance(rows, torch.Tensor) and (not served(rows) or rows.shape != (bsz,)))):
+        return None
+    q = torch.empty(bsz * t, heads, d, device=qkv.device, dtype=qkv.dtype)
+    if bsz * t == 0:
+        return q
+    if isinstance(rows, torch.Tensor):
+        row_ptr, row0, has_rows = rows, 0, True
+    else:
+        row_ptr, row0, has_rows = input_pos, (rows.start or 0) if isinstance(rows, slice) else 0, False
+    _kernels()[3][(bsz * t,)](
+        qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
+        *qkv.stride(), *cos.stride(), *q.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
+        HQ=heads, HKV=kv_heads, D=d, HQP=max(1, 1 << (heads - 1).bit_length()),
+        HKP=max(1, 1 << (kv_heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1)
+    return q
+
+
 ARGMAX_CHUNK = 2048  # vocabulary entries per program of argmax's first pass
 
 
@@ -131,7 +202,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     val = torch.empty(n, chunks, device=x.device, dtype=torch.float32)
     idx = torch.empty(n, chunks, device=x.device, dtype=torch.int64)
     out = torch.empty(n, device=x.device, dtype=torch.int64)
-    _, partial, final = _kernels()
+    _, partial, final, _ = _kernels()
     partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
     final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
     return out.view(x.shape[:-1])

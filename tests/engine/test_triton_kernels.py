@@ -74,3 +74,58 @@ def test_argmax_is_torch_s_on_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x = torch.randn(3, 9000)
     assert torch.equal(argmax(x), x.argmax(-1))
+
+
+ROPE_KV_WRITE = """
+import copy, torch
+from engine.cache import KVCache
+from engine.config import ModelArgs
+from engine.model import Transformer
+from engine.rope import apply_rope_qk
+from engine.triton_kernels import kv_write, rope_kv_write
+torch.manual_seed(0)
+R, HQ, HKV, S, D = 5, 6, 2, 40, 16
+for rows, b in ((None, 2), (slice(1, 4), 3), (torch.tensor([4, 0]), 2)):
+    for t in (1, 6):
+        n = b * t
+        qkv = torch.randn(n, (HQ + 2 * HKV) * D)
+        cos, sin = torch.randn(n, D), torch.randn(n, D)
+        pos = torch.randint(0, S - t, (b, 1)) + torch.arange(t)
+        pos[0, -1] = S  # past the cache: not written (as kv_write)
+        kc, vc = torch.randn(R, HKV, S, D), torch.randn(R, HKV, S, D)
+        ref_kc, ref_vc = kc.clone(), vc.clone()
+        qk = apply_rope_qk(qkv, cos, sin, HQ + HKV, D)
+        k = qk[:, HQ:].view(b, t, HKV, D).transpose(1, 2)
+        v = qkv[:, (HQ + HKV) * D:].view(b, t, HKV, D).transpose(1, 2)
+        assert kv_write(ref_kc, ref_vc, rows, pos, k, v)
+        q = rope_kv_write(qkv, cos, sin, kc, vc, rows, pos, HQ, HKV)
+        torch.testing.assert_close(q, qk[:, :HQ], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(kc, ref_kc, atol=1e-6, rtol=1e-6)
+        assert torch.equal(vc, ref_vc), (rows, t)
+assert rope_kv_write(qkv, cos, sin, kc, vc, None, pos, HQ + 1, HKV) is None  # heads do not match the projection
+# The fused model takes it on every layer and gives the logits and cache of the two-kernel path.
+args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+ref = Transformer(args, max_seq_len=64).eval()
+model = copy.deepcopy(ref)
+ref.fuse_for_inference(compile=False), model.fuse_for_inference(compile=False)
+import engine.triton_kernels as tk
+calls, real = [], tk.rope_kv_write
+tk.rope_kv_write = lambda *a: (lambda q: calls.append(q is not None) or q)(real(*a))
+caches = [m.new_cache(4, 64) for m in (ref, model)]
+tokens, pos, rows = torch.tensor([[5, 6, 7], [8, 9, 10]]), torch.tensor([[20, 21, 22], [9, 10, 11]]), torch.tensor([3, 1])
+with torch.no_grad():
+    got = model(tokens, pos, cache=caches[1], rows=rows, kv_len=32).logits
+    tk.ENABLED = False
+    want = ref(tokens, pos, cache=caches[0], rows=rows, kv_len=32).logits
+torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+assert calls == [True, True, False, False], calls  # both layers took it; the reference ran with the kernels off
+for layer in range(2):
+    torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer], atol=1e-6, rtol=1e-6)
+    assert torch.equal(caches[1].v[layer], caches[0].v[layer])
+print("ok")
+"""
+
+
+def test_rope_kv_write_matches_rope_then_write_in_the_interpreter(triton_interpreter):
+    triton_interpreter(ROPE_KV_WRITE)

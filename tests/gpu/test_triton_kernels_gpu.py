@@ -47,3 +47,28 @@ def test_argmax_inside_a_cuda_graph():
     x.copy_(torch.randn(4, 49152, device="cuda"))
     graph.replay()
     assert torch.equal(out, x.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [None, "slice", "index"])
+@pytest.mark.parametrize("b,t", [(1, 1), (8, 1), (8, 6)])
+def test_rope_kv_write_equals_rope_then_write(dtype, tol, rows, b, t):
+    from engine.rope import apply_rope_qk
+    from engine.triton_kernels import kv_write, rope_kv_write
+
+    hq, hkv, s, d = 9, 3, 256, 64
+    g = torch.Generator(device="cuda").manual_seed(b * 10 + t)
+    qkv = torch.randn(b * t, (hq + 2 * hkv) * d, device="cuda", generator=g).to(dtype)
+    cos, sin = (torch.randn(b * t, d, device="cuda", generator=g).to(dtype) for _ in range(2))
+    pos = torch.randint(0, s - t, (b, 1), device="cuda", generator=g) + torch.arange(t, device="cuda")
+    r = {None: None, "slice": slice(1, 1 + b), "index": torch.randperm(10, device="cuda", generator=g)[:b]}[rows]
+    kc, vc = torch.zeros(10, hkv, s, d, device="cuda", dtype=dtype), torch.zeros(10, hkv, s, d, device="cuda", dtype=dtype)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    qk = apply_rope_qk(qkv.float(), cos.float(), sin.float(), hq + hkv, d)  # fp32, rounded once
+    k = qk[:, hq:].to(dtype).view(b, t, hkv, d).transpose(1, 2)
+    v = qkv[:, (hq + hkv) * d:].view(b, t, hkv, d).transpose(1, 2)
+    assert kv_write(ref_kc, ref_vc, r, pos, k, v)
+    q = rope_kv_write(qkv, cos, sin, kc, vc, r, pos, hq, hkv)
+    torch.testing.assert_close(q.float(), qk[:, :hq], atol=tol, rtol=tol)
+    torch.testing.assert_close(kc, ref_kc, atol=tol, rtol=tol)
+    assert torch.equal(vc, ref_vc)
