@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from engine import triton_kernels
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -144,6 +146,9 @@ def uniform_at(state: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torc
     draws past each row's counter: row b's draws are its stream's, whatever else runs in the batch. Pure
     tensor code without host values, so it can sit inside a CUDA graph with `state` as its input."""
     per_row = math.prod(shape[1:])
+    fast = triton_kernels.uniform(state, offset, shape[0], per_row)  # one launch on CUDA, the same numbers
+    if fast is not None:
+        return fast.view(shape)
     counters = (state[:, 1:] + offset + torch.arange(per_row, device=state.device)) & _M32  # (B, per_row)
     bits = _hash32(_hash32(counters) ^ state[:, :1])
     return ((bits >> 8).float() * 2.0**-24).view(shape)

@@ -1,5 +1,6 @@
 """Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
-(alone, or with the fused path's rotary embedding) and the argmax over the vocabulary.
+(alone, or with the fused path's rotary embedding), the argmax over the vocabulary, and the sampled
+steps' uniform draws.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
 (on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
@@ -108,7 +109,27 @@ def _kernels():
         v = tl.load(row + ((HQ + HKV + hk[:, None]) * D + d[None, :]) * sqw, mask=mk, other=0.0)
         tl.store(VC + r * scvr + hk[:, None] * scvh + p * scvs + d[None, :] * scvd, v, mask=mw)
 
-    return kv_write_kernel, argmax_partial, argmax_final, rope_kv_write_kernel
+    @triton.jit
+    def uniform_kernel(STATE, OUT, offset, per_row, ssb, ssc, BLOCK: tl.constexpr):
+        """Program row: its stream's draws counter + offset + j, j < per_row (engine.sampling.uniform_at's
+        int64 arithmetic, op for op)."""
+        b = tl.program_id(0)
+        key = tl.load(STATE + b * ssb)
+        counter = tl.load(STATE + b * ssb + ssc)
+        j = tl.arange(0, BLOCK)
+        x = (counter + offset + j) & 0xFFFFFFFF
+        for rnd in tl.static_range(2):  # lowbias32 twice: of the counter, then of that xor the stream's key
+            if rnd == 1:
+                x = x ^ key
+            x = x ^ (x >> 16)
+            x = (((((x >> 16) * 0x7FEB352D) & 0xFFFF) << 16) + (x & 0xFFFF) * 0x7FEB352D) & 0xFFFFFFFF
+            x = x ^ (x >> 15)
+            x = (((((x >> 16) * 0x846CA68B) & 0xFFFF) << 16) + (x & 0xFFFF) * 0x846CA68B) & 0xFFFFFFFF
+            x = x ^ (x >> 16)
+        bits = x
+        tl.store(OUT + b * per_row + j, (bits >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=j < per_row)
+
+    return kv_write_kernel, argmax_partial, argmax_final, rope_kv_write_kernel, uniform_kernel
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,6 +206,20 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     return q
 
 
+def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.Tensor | None:
+    """`engine.sampling.uniform_at`'s draws (rows, per_row) float32 in one launch: the hash of the counters is
+    about 50 small integer ops, each a kernel of its own in torch, each a node of a sampled graph. Bit for bit
+    the same numbers. None for calls it does not serve."""
+    if (not ENABLED or not available() or not served(state) or state.dtype != torch.int64 or state.dim() != 2
+            or state.shape != (rows, 2) or per_row < 1):
+        return None
+    out = torch.empty(rows, per_row, device=state.device, dtype=torch.float32)
+    if rows:
+        _kernels()[4][(rows,)](state, out, offset, per_row, *state.stride(),
+                               BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1)
+    return out
+
+
 ARGMAX_CHUNK = 2048  # vocabulary entries per program of argmax's first pass
 
 
@@ -202,7 +237,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     val = torch.empty(n, chunks, device=x.device, dtype=torch.float32)
     idx = torch.empty(n, chunks, device=x.device, dtype=torch.int64)
     out = torch.empty(n, device=x.device, dtype=torch.int64)
-    _, partial, final, _ = _kernels()
+    _, partial, final = _kernels()[:3]
     partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
     final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
     return out.view(x.shape[:-1])

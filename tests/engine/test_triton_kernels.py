@@ -129,3 +129,25 @@ print("ok")
 
 def test_rope_kv_write_matches_rope_then_write_in_the_interpreter(triton_interpreter):
     triton_interpreter(ROPE_KV_WRITE)
+
+
+UNIFORM = """
+import torch
+import engine.triton_kernels as tk
+from engine.sampling import uniform_at
+torch.manual_seed(0)
+state = torch.stack([torch.randint(0, 2**32, (5,)), torch.tensor([0, 7, 2**32 - 3, 2**31, 123456])], 1)
+for offset, shape in ((0, (5,)), (3, (5, 11)), (9, (5, 4)), (0, (5, 1)), (2**32 - 2, (5, 6))):
+    fast = uniform_at(state, offset, shape)
+    tk.ENABLED = False
+    ref = uniform_at(state, offset, shape)
+    tk.ENABLED = True
+    assert fast.shape == ref.shape and torch.equal(fast, ref), (offset, shape)
+    assert tk.uniform(state, offset, shape[0], shape[-1] if len(shape) > 1 else 1) is not None
+assert torch.equal(uniform_at(state[:, :], 1, (5, 3)), uniform_at(state.clone(), 1, (5, 3)))
+print("ok")
+"""
+
+
+def test_uniform_draws_are_the_torch_hashs_bit_for_bit_in_the_interpreter(triton_interpreter):
+    triton_interpreter(UNIFORM)

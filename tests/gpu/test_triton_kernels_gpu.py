@@ -72,3 +72,18 @@ def test_rope_kv_write_equals_rope_then_write(dtype, tol, rows, b, t):
     torch.testing.assert_close(q.float(), qk[:, :hq], atol=tol, rtol=tol)
     torch.testing.assert_close(kc, ref_kc, atol=tol, rtol=tol)
     assert torch.equal(vc, ref_vc)
+
+
+def test_uniform_draws_equal_the_torch_hash(monkeypatch):
+    from engine.sampling import uniform_at
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = torch.stack([torch.randint(0, 2**32, (8,), device="cuda", generator=g),
+                         torch.randint(0, 2**32, (8,), device="cuda", generator=g)], 1)
+    for offset, shape in ((0, (8,)), (5, (8, 11)), (2**32 - 2, (8, 4))):
+        fast = uniform_at(state, offset, shape)
+        monkeypatch.setattr(triton_kernels, "ENABLED", False)
+        ref = uniform_at(state, offset, shape)
+        monkeypatch.setattr(triton_kernels, "ENABLED", True)
+        assert torch.equal(fast, ref)
+    assert triton_kernels.uniform(state, 0, 8, 3) is not None
