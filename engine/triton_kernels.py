@@ -148,6 +148,14 @@ def served(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _row_args(rows, input_pos: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    """The cache-row arguments of the write kernels: (row pointer, first row, HAS_ROWS) for rows None, a
+    slice, or an index tensor (the pointer is unread without HAS_ROWS)."""
+    if isinstance(rows, torch.Tensor):
+        return rows, 0, True
+    return input_pos, (rows.start or 0) if isinstance(rows, slice) else 0, False
+
+
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> bool:
     """k_cache/v_cache (R, H, S, D) of one layer; rows: None (rows 0..B-1), a slice of consecutive rows or
@@ -162,10 +170,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torc
         return False
     if bsz * t == 0:
         return True
-    if isinstance(rows, torch.Tensor):
-        row_ptr, row0, has_rows = rows, 0, True
-    else:
-        row_ptr, row0, has_rows = input_pos, (rows.start or 0) if isinstance(rows, slice) else 0, False
+    row_ptr, row0, has_rows = _row_args(rows, input_pos)
     _kernels()[0][(bsz * t,)](
         k, v, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
@@ -194,10 +199,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     q = torch.empty(bsz * t, heads, d, device=qkv.device, dtype=qkv.dtype)
     if bsz * t == 0:
         return q
-    if isinstance(rows, torch.Tensor):
-        row_ptr, row0, has_rows = rows, 0, True
-    else:
-        row_ptr, row0, has_rows = input_pos, (rows.start or 0) if isinstance(rows, slice) else 0, False
+    row_ptr, row0, has_rows = _row_args(rows, input_pos)
     _kernels()[3][(bsz * t,)](
         qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *qkv.stride(), *cos.stride(), *q.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
