@@ -68,9 +68,9 @@ class DecodeEngine:
         With graphs, a batch whose cache rows are not consecutive runs padded to a batch-size bucket
         (1, 2, 4, ... max_batch_size) with its rows as a graph input; padding rows point at one extra
         scratch cache row, so one graph serves every set of rows of that bucket.
-        mixed_round_graph: rounds of a batch mixing drafts as one graph too (one graph per set of drafts,
-        whatever their row counts; `engine.speculative._captured_round`). False: such batches take the
-        general loop, a graph per piece (trunk step, each draft's step, verify pass).
+        mixed_round_graph: rounds of a batch mixing drafts as one graph too (every loaded draft over all
+        rows, whichever drafts and row counts the batch holds; `engine.speculative.launch_round`). False:
+        such batches take the general loop, a graph per piece (trunk step, each draft's step, verify pass).
         min_admit: while rows run, admit waiting requests only once this many rows are free (or every
         waiting request fits): fewer, larger prefills, for offline batch generation where rows finish a
         few at a time and each admission is a prefill pass. Serving keeps 1: no request waits for others.
@@ -700,7 +700,8 @@ class DecodeEngine:
 
         Always `ar_steps_per_sync` steps (capped by the cache margin), even when a row needs fewer: the
         extra tokens are dropped by the caller and their KV sits past the row's length, invisible and
-        overwritten later, as a rejected draft's does. So the graph is keyed by batch and KV bucket only."""
+        overwritten later, as a rejected draft's does. So the graph is keyed by the batch bucket only (and the
+        KV bucket, without a position-bounded attention backend)."""
         kv_len = self.kv_bucket(kv_len)
         model, cache, layers = self.model, self.cache, range(self.model.args.num_layers)
 

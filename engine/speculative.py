@@ -341,7 +341,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     held = {id(d): d for d in drafts}
     if len(held) > 1:  # a mix runs every loaded draft: one graph per batch shape and gamma, whichever drafts it holds
         held.update((id(d), d) for d in eng.drafts.values())
-    order = sorted(held.values(), key=id)  # ascending ids: one graph key per set of drafts
+    order = sorted(held.values(), key=id)  # ascending ids: one graph key per draft or per mix
     ids = {id(d): g for g, d in enumerate(order)}  # draft id -> its index in the graph
     mixed = len(order) > 1
     n_trunk = order[0].shared_layers
