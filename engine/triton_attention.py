@@ -110,8 +110,9 @@ def _kernels():
 
     @triton.jit
     def merge(P, LSE, O, n_split, sp_o, sp_l, D: tl.constexpr, SP: tl.constexpr):
-        """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D); one program per
-        row, every split loaded at once (a step's merge is latency, not work: no loop of dependent loads)."""
+        """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D), rows in (b, t, head)
+        order; one program per row, every split loaded at once (a step's merge is latency, not work: no loop
+        of dependent loads)."""
         r = tl.program_id(0)
         sp = tl.arange(0, SP)
         d = tl.arange(0, D)
@@ -175,17 +176,19 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))
     scale = d ** -0.5
+    # The output is laid out (B, T, Hq, D) and returned as its (B, Hq, T, D) view: the o_proj input
+    # out.transpose(1, 2).reshape(B * T, Hq * D) is then a view, not a copy kernel a layer (verify and draft
+    # steps, T > 1). Partial results are laid out the same way, so the merge writes rows in that order.
+    out = torch.empty(bsz, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
     if n_split == 1:
-        out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
         attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
                               *out.stride(), 0, 0, 0, 0, 0, *pos_strides, t, s, per_split, scale, SPLIT=False, **common)
         return out
-    part = torch.empty(n_split, bsz, hq, t, d, device=q.device, dtype=torch.float32)
-    lse = torch.empty(n_split, bsz, hq, t, device=q.device, dtype=torch.float32)
+    part = torch.empty(n_split, bsz, t, hq, d, device=q.device, dtype=torch.float32).transpose(2, 3)
+    lse = torch.empty(n_split, bsz, t, hq, device=q.device, dtype=torch.float32).transpose(2, 3)
     attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt,
                                 ms, *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0), *pos_strides,
                                 t, s, per_split, scale, SPLIT=True, **common)
-    out = torch.empty(bsz, hq, t, d, device=q.device, dtype=q.dtype)
     merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
                            SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1)
     return out

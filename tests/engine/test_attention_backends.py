@@ -40,7 +40,9 @@ mask = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
 mask[1, :, 0, 200:] = False  # not only causal: any visibility mask
 ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 for splits in (1, 3):
-    torch.testing.assert_close(triton_attention(q, k, v, mask, splits=splits), ref, atol=1e-5, rtol=1e-5)
+    out = triton_attention(q, k, v, mask, splits=splits)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()  # laid out (B, T, Hq, D): o_proj's input is a view
 # In place in a whole cache layer: batch row i reads cache row rows[i], its first s slots of 400.
 cache_k, cache_v = torch.randn(5, hkv, 400, d), torch.randn(5, hkv, 400, d)
 rows = torch.tensor([3, 0])
