@@ -78,7 +78,8 @@ def _kernels():
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQP: tl.constexpr,
                              HKP: tl.constexpr, HAS_ROWS: tl.constexpr):
         """One program per (row, new token) of a fused q|k|v projection: RoPE on the query heads (out to QO)
-        and on the key heads, and the keys and values written into the cache at the token's position."""
+        and on the key heads, and the keys and values written into the cache at the token's position. (Its
+        first lines repeat kv_write_kernel's: a jit function defined in this closure cannot call another.)"""
         i = tl.program_id(0)
         b = i // T
         t = i % T
