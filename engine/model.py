@@ -115,18 +115,18 @@ class Attention(_FusableProjections):
         n = bsz * seqlen
         qkv = self.qkv(x)  # (N, (Hq + 2 Hkv) D)
         cos, sin = ctx.cos.reshape(n, d), ctx.sin.reshape(n, d)
-        cache = ctx.cache
+        cache, q = ctx.cache, None
         if cache is not None and cache.slot_is_position:
             # One kernel: RoPE on q and k, and k and v into the cache (on CUDA; None elsewhere).
             q = triton_kernels.rope_kv_write(qkv, cos, sin, cache.k[cache_layer], cache.v[cache_layer], ctx.rows,
                                              ctx.input_pos, hq, hkv)
-            if q is not None:
-                out = cached_attention(q.view(bsz, seqlen, hq, d).transpose(1, 2), None, None, ctx, cache_layer)
-                return self.o_proj(out.transpose(1, 2).reshape(n, -1))
-        qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
-        q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
-        k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
-        v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)
+        if q is not None:
+            q, k, v = q.view(bsz, seqlen, hq, d).transpose(1, 2), None, None  # k and v are in the cache already
+        else:
+            qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
+            q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
+            k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
+            v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)
         out = cached_attention(q, k, v, ctx, cache_layer)  # (B, Hq, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(n, -1))
 

@@ -24,8 +24,8 @@ from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
                              stream_state, uniform_at)
-from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, launch_round,
-                                round_result, spec_round)
+from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, graph_drafts,
+                                launch_round, round_result, spec_round)
 from engine.text import TextStream
 from engine.triton_kernels import argmax
 
@@ -280,9 +280,8 @@ class DecodeEngine:
         from engine.sampling import SamplingParams
 
         kinds = {"greedy": {}, "sampled": {"temperature": 1.0}, "filtered": {"temperature": 1.0, "top_p": 0.9}}
-        length_free = self.kv_bucket(1) == self.kv_bucket(self.max_seq_len)  # graphs independent of the length
         if sampling is None:
-            sampling = tuple(kinds) if length_free else ("greedy",)
+            sampling = tuple(kinds) if self.length_free_graphs else ("greedy",)
         unknown = sorted(set(sampling) - set(kinds))
         if unknown:
             raise ValueError(f"unknown warm-up sampling {unknown}; choose from {', '.join(kinds)}")
@@ -291,7 +290,7 @@ class DecodeEngine:
         if self.has_work():
             raise RuntimeError("warm-up runs on an idle engine (before it takes requests)")
         before = self.graphs.captures
-        if length_free:  # a few rounds per case capture everything
+        if self.length_free_graphs:  # a few rounds per case capture everything
             max_len = prompt_len + 3 * (self.spec.num_speculative_tokens + 1) + 2 * self.ar_steps_per_sync
         prompt_len = max(1, min(prompt_len, max_len - 1, self.max_seq_len - 2))
         new_tokens = max(1, min(max_len, self.max_seq_len - 1) - prompt_len)
@@ -398,10 +397,10 @@ class DecodeEngine:
         if not self.gamma.enabled:
             return self.spec, None
         names = [governed(s.request) for s in spec_rows]
-        held = {id(s.draft) for s in spec_rows}
-        if len(held) > 1 and self.graphs.enabled and self.mixed_round_graph:
-            held |= {id(d) for d in self.drafts.values()}  # a one-graph mixed round runs every loaded draft
-        key = (batch_bucket(len(spec_rows)), len(held),
+        drafts = [s.draft for s in spec_rows]
+        # A one-graph mixed round runs every loaded draft (`graph_drafts`): priced as such.
+        ran = graph_drafts(self, drafts) if self.graphs.enabled and self.mixed_round_graph else {id(d) for d in drafts}
+        key = (batch_bucket(len(spec_rows)), len(ran),
                all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
         # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
         seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
@@ -751,9 +750,14 @@ class DecodeEngine:
         to a multiple of 64 (fewer shapes to capture; longer sequences capture their buckets on first use)."""
         if not self.graphs.enabled:
             return kv_len
-        if getattr(self.model.backend, "bounds_by_position", False):
+        if self.length_free_graphs:
             return self.cache.max_seq_len
         return min(-(-kv_len // 64) * 64, self.cache.max_seq_len)
+
+    @property
+    def length_free_graphs(self) -> bool:
+        """Graphs attend the whole cache and serve every sequence length (`kv_bucket`)."""
+        return self.graphs.enabled and getattr(self.model.backend, "bounds_by_position", False)
 
     def batch_bucket(self, n: int) -> int:
         """The padded batch size a graph of n rows with scattered cache rows runs at: 1, 2, 4, ..., max."""

@@ -291,6 +291,16 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     return RoundResult(tokens, acc, dr, ps)
 
 
+def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
+    """The drafts a captured round over rows holding `drafts` runs, in graph order (ascending ids: one graph
+    key per draft or per mix): the one draft of a single-draft batch; for a mix, every loaded draft and any
+    replaced one the rows still hold (`launch_round`)."""
+    held = {id(d): d for d in drafts}
+    if len(held) > 1:
+        held.update((id(d), d) for d in eng.drafts.values())
+    return sorted(held.values(), key=id)
+
+
 def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig) -> bool:
     """Whether `spec_round` runs these rows' round as one graph (`_captured_round`)."""
     return eng.graphs.enabled and len(cfg.blocks()) == 1 and (eng.mixed_round_graph or all(d is drafts[0] for d in drafts))
@@ -338,10 +348,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     """
     model = eng.model
     device = eng.device
-    held = {id(d): d for d in drafts}
-    if len(held) > 1:  # a mix runs every loaded draft: one graph per batch shape and gamma, whichever drafts it holds
-        held.update((id(d), d) for d in eng.drafts.values())
-    order = sorted(held.values(), key=id)  # ascending ids: one graph key per draft or per mix
+    order = graph_drafts(eng, drafts)
     ids = {id(d): g for g, d in enumerate(order)}  # draft id -> its index in the graph
     mixed = len(order) > 1
     n_trunk = order[0].shared_layers

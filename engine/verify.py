@@ -41,24 +41,19 @@ def verify_sampled(
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     streams: list[RandomStream] | None = None,
-    state: torch.Tensor | None = None,
-    offset: int = 0,
     draws: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Leviathan et al.'s rejection sampling.
 
     draft_tokens (B, k); draft_probs (B, k, V) the distributions they were drawn from;
     target_probs (B, k+1, V) with the same temperature/top-k/top-p applied. Random draws: k + 1 per
-    row, from `streams` (advanced), from device `state` (`engine.sampling.stream_state`) starting
-    `offset` draws in, or given as `draws` (B, k + 1), those same numbers drawn ahead (nothing on the host:
-    the captured sampled round).
+    row, from `streams` (advanced), or given as `draws` (B, k + 1), those same numbers drawn ahead on the
+    device (`engine.sampling.uniform_at`; nothing on the host: the captured sampled round).
     """
     batch, k = draft_tokens.shape
     if draws is None:
-        if state is None:
-            state = stream_state(streams, draft_tokens.device)
-            advance(streams, k + 1)
-        draws = uniform_at(state, offset, (batch, k + 1))
+        draws = uniform_at(stream_state(streams, draft_tokens.device), 0, (batch, k + 1))
+        advance(streams, k + 1)
     target_prob = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     draft_prob = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)  # (B, k)
     u = draws[:, :k]
