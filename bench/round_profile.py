@@ -353,7 +353,8 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
     print(json.dumps({"warmup_s": round(time.perf_counter() - t0, 1), "graphs": n, "attention": model.backend.name,
                       "kv_bucket_fixed": eng.kv_bucket(1) == eng.kv_bucket(2048), "max_batch": max_batch,
                       "overlap": overlap, "graphs_allocated_gib": round((torch.cuda.memory_allocated() - alloc0) / 2**30, 3),
-                      "graphs_reserved_gib": round((torch.cuda.memory_reserved() - reserved0) / 2**30, 3)}), flush=True)
+                      "graphs_reserved_gib": round((torch.cuda.memory_reserved() - reserved0) / 2**30, 3),
+                      "compiled_shapes": model._fused_ops.shape_counts()}), flush=True)
     data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
     prompts, names = pick_prompts(data, "long", 2 * max_batch, long_prompts=2 * max_batch)
     for label, kind in (("greedy", {}), ("T=1", {"temperature": 1.0}), ("top-p 0.9", {"temperature": 1.0, "top_p": 0.9})):
@@ -369,6 +370,7 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
             tokens = sum(len(o.token_ids) for o in outs)
             print(json.dumps({"traffic": f"{label}, {mix}", "requests": len(prompts), "tokens": tokens,
                               "tps": round(tokens / wall, 1), "captured": eng.graphs.captures - before}), flush=True)
+    print(json.dumps({"compiled_shapes_after_traffic": model._fused_ops.shape_counts()}), flush=True)
 
 
 def profiler_effect(ops: int = 400) -> None:

@@ -92,6 +92,7 @@ class _CompiledKernel:
                  for a in args))
         if key not in self.shapes:
             if len(self.shapes) >= MAX_SHAPES or key in self.eager_keys:
+                self.eager_keys.add(key)
                 return self.eager(*args)  # bounded recompiles: a rare shape runs eagerly
             self.shapes.add(key)
             global _COMPILES
@@ -136,6 +137,14 @@ class FusedOps:
         if self.compiled is not None and not self.failed and tokens_per_row <= self.max_compiled_tokens:
             return self.compiled
         return EAGER
+
+    def shape_counts(self) -> dict[str, dict[str, int]]:
+        """Per compiled function: how many input shapes it compiled and how many run eagerly because a
+        limit was reached (ours, `MAX_SHAPES`, or dynamo's). Empty when nothing is compiled."""
+        if not isinstance(self.compiled, Kernels) or self.compiled is EAGER:
+            return {}
+        return {name: {"compiled": len(k.shapes), "eager": len(k.eager_keys), "cap": MAX_SHAPES}
+                for name, k in zip(Kernels._fields, self.compiled)}
 
     def fail(self, exc: Exception) -> None:
         if not self.failed:

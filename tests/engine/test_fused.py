@@ -272,6 +272,9 @@ def test_compiled_shapes_are_bounded(hf_models, monkeypatch):
     got = _passes(model, tokens)
     assert all(torch.equal(e, g) for e, g in zip(expected, got))
     assert counter.frame_count == 4  # the first shape of each function only
+    counts = model._fused_ops.shape_counts()
+    assert set(counts) == {"rms_norm", "add_rms_norm", "rope_qk", "silu_mul"}
+    assert all(c["compiled"] == 1 and c["eager"] >= 1 and c["cap"] == 1 for c in counts.values()), counts
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(hf_models, caplog):
