@@ -254,14 +254,16 @@ def fused_default(attention: str):
 
 
 @torch.no_grad()
-def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
+def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[str] | None = None,
+                  temperatures: tuple[float, ...] = (0.0,)) -> None:
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
     `DecodeEngine(overlap=True)`). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
-    graphs of each case get a kernel table from one eager run of their step, after every case is timed."""
+    graphs of each case get a kernel table from one eager run of their step, after every case is timed.
+    `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded)."""
     from bench.gpu import pick_prompts
     from engine.generate import generate
     from engine.sampling import SamplingParams
@@ -278,8 +280,15 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
              ("bs 8, plain", 8, None, True, False), ("bs 1, plain", 1, None, True, False),
              ("bs 1, code draft, overlapped", 1, "code", True, True), ("bs 1, plain, overlapped", 1, None, True, True),
              ("bs 8, plain, overlapped", 8, None, True, True)]
+    if only:
+        unknown = set(only) - {c[0] for c in cases}
+        if unknown:
+            raise SystemExit(f"unknown --cases {sorted(unknown)}; choose from {[c[0] for c in cases]}")
+        cases = [c for c in cases if c[0] in only]
+    cases = [(label if t == 0 else f"{label}, T={t:g}", bs, which, one_graph, overlap, t)
+             for label, bs, which, one_graph, overlap in cases for t in temperatures]
     tables = []  # (case, graph, step): kernel tables after every case is timed (the profiler slows later launches)
-    for label, bs, which, one_graph, overlap in cases:
+    for label, bs, which, one_graph, overlap, temperature in cases:
         if which == "mixed":
             prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
         else:
@@ -288,7 +297,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8) -> None:
                            spec=SpecConfig(5, 5), mixed_round_graph=one_graph, overlap=overlap)
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
-        params = SamplingParams(max_new_tokens=new, temperature=0.0, eos_token_ids=())
+        params = [SamplingParams(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=i)
+                  for i in range(len(prompts))]
         generate(eng, prompts, params, names)  # warm-up: captures every graph the pass needs
         for step in eng.graphs.graphs.values():
             step.calls = 0
@@ -415,6 +425,10 @@ def main() -> None:
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
                         help="only the engine's graphs over whole generations (bs 8 three drafts / one draft, bs 1, "
                              "plain), 512->256 or 32->20 prompts")
+    parser.add_argument("--cases", default=None,
+                        help="--engine-graphs: only these cases, by label, separated by ';' (e.g. 'bs 1, code draft')")
+    parser.add_argument("--temperatures", default="0",
+                        help="--engine-graphs: comma list of temperatures each case runs at (0: greedy)")
     parser.add_argument("--profiler-effect", action="store_true",
                         help="only a toy graph's launch and replay times before and after a torch.profiler session")
     parser.add_argument("--warmup", action="store_true",
@@ -435,7 +449,9 @@ def main() -> None:
     elif args.warmup:
         warmup_probe(args.attention, overlap=args.overlap)
     elif args.engine_graphs:
-        engine_graphs(args.attention, args.engine_graphs)
+        engine_graphs(args.attention, args.engine_graphs,
+                      only=args.cases.split(";") if args.cases else None,
+                      temperatures=tuple(float(t) for t in args.temperatures.split(",")))
     else:
         round_pieces(args.domain, args.attention, not args.unfused)
 
