@@ -97,20 +97,35 @@ class GammaController:
 
     def expected_tokens(self, drafts: list[str], gamma: int) -> float:
         """Tokens a round at gamma makes on average, summed over the batch's rows (one draft name each)."""
+        return self._expected_by_gamma(drafts)[gamma - 1]
+
+    def _expected_by_gamma(self, drafts: list[str]) -> list[float]:
+        """`expected_tokens` at every gamma 1..max_gamma: each draft's survival computed once."""
         counts: dict[str, int] = {}
         for name in drafts:
             counts[name] = counts.get(name, 0) + 1
-        return sum(n * (1.0 + sum(self.survival(name)[:gamma])) for name, n in counts.items())
+        out = [0.0] * self.max_gamma
+        for name, n in counts.items():
+            total = 1.0
+            for k, s in enumerate(self.survival(name)):
+                total += s
+                out[k] += n * total
+        return out
 
     def cost(self, key: tuple, gamma: int) -> float | None:
         """Predicted seconds of a round at gamma: the least-squares line through the measured gammas' average
         seconds (weighted by their sample counts, up to 1/cost_alpha); None before any sample. With one
         gamma measured, its own average."""
+        line = self._cost_line(key)
+        return None if line is None else max(line[0] + line[1] * gamma, 1e-9)
+
+    def _cost_line(self, key: tuple) -> tuple[float, float] | None:
+        """(intercept, slope) of `cost`'s line for this key; slope 0 with one gamma measured."""
         costs = {g: c for g, c in self._costs.get(key, {}).items() if c.count}
         if not costs:
             return None
         if len(costs) == 1:
-            return next(iter(costs.values())).seconds
+            return next(iter(costs.values())).seconds, 0.0
         cap = 1.0 / self.cost_alpha
         w = {g: min(c.count, cap) for g, c in costs.items()}
         sw = sum(w.values())
@@ -118,7 +133,7 @@ class GammaController:
         ms = sum(w[g] * c.seconds for g, c in costs.items()) / sw
         var = sum(w[g] * (g - mg) ** 2 for g in costs)
         slope = sum(w[g] * (g - mg) * (c.seconds - ms) for g, c in costs.items()) / var
-        return max(ms + slope * (gamma - mg), 1e-9)
+        return ms - slope * mg, slope
 
     # ----- decisions ---------------------------------------------------------------------------
     def choose(self, drafts: list[str], key: tuple) -> int:
@@ -138,8 +153,9 @@ class GammaController:
                 gamma = cycle[n % len(cycle)] if cycle[n % len(cycle)] in unmeasured else unmeasured[0]
             elif n % self.explore_every == self.explore_every - 1:
                 gamma = cycle[(n // self.explore_every) % len(cycle)]
-            else:
-                gamma = max(cycle, key=lambda g: self.expected_tokens(drafts, g) / self.cost(key, g))
+            else:  # the fitted line and each draft's survival once per choice, not once per gamma
+                expected, (a, b) = self._expected_by_gamma(drafts), self._cost_line(key)
+                gamma = max(cycle, key=lambda g: expected[g - 1] / max(a + b * g, 1e-9))
             self.chosen[gamma] = self.chosen.get(gamma, 0) + 1
             return gamma
 

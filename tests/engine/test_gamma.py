@@ -195,3 +195,19 @@ def test_engine_keeps_the_full_gamma_for_seeded_sampled_requests(tiny_target):
     eng.add_draft("d", draft)
     generate(eng, prompts_for(target.args.vocab_size, (5, 17)), params, draft="d")
     assert len(ctl.chosen) > 1  # not pinned: seeded rounds adapt too
+
+
+def test_a_choice_is_the_best_ratio_of_the_public_estimates():
+    """`choose` (which fits the cost line and each draft's survival once per choice) picks the gamma with the
+    most `expected_tokens` per predicted `cost`, on many random states of two drafts."""
+    rng = random.Random(3)
+    for trial in range(40):
+        ctl = GammaController(5, explore_every=10**6)
+        names = ["a", "b"]
+        for _ in range(rng.randint(12, 60)):  # past the cycle through every gamma: rounds pick by the ratio
+            gamma = ctl.choose(names, KEY)
+            rows = [(n, rng.randint(0, gamma), gamma) for n in names]
+            ctl.observe(KEY, gamma, 1e-3 * (1 + gamma * rng.uniform(0.05, 0.4)), rows)
+        batch = [rng.choice(names) for _ in range(rng.randint(1, 4))]
+        want = max(ctl.gammas, key=lambda g: ctl.expected_tokens(batch, g) / ctl.cost(KEY, g))
+        assert ctl.choose(batch, KEY) == want, trial
