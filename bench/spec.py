@@ -64,7 +64,8 @@ def measure(engine, prompts, params, draft_name):
 def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code", n_prompts: int = 4,
         max_new_tokens: int = 256, gamma: int | tuple[int, ...] = 5, threads: int = 0, split: str = "test",
         blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1,
-        temperature: float = 0.0, draft_temperatures: tuple[float | None, ...] = (None,)) -> list[dict]:
+        temperature: float = 0.0, draft_temperatures: tuple[float | None, ...] = (None,),
+        full_vocab_draws: bool = False) -> list[dict]:
     """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
 
     The passes interleave: AR, every FlashSpec row, AR, every FlashSpec row, ..., AR. Each FlashSpec
@@ -74,7 +75,8 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     same distribution, so outputs are not compared with AR's); `draft_temperatures` (sampled runs): the
     temperature the draft samples its tokens at, each value a row (None = the request's temperature).
     Verification uses the distribution the draft sampled from, so every value is lossless; what changes
-    is how often the target accepts."""
+    is how often the target accepts. `full_vocab_draws` (sampled runs) adds each sampled row again with the
+    draft's tokens drawn over the whole vocabulary instead of its sub-vocabulary (`SpecConfig.sub_vocab_draws`)."""
     import statistics
 
     from bench.prompts import held_out_prompts
@@ -85,6 +87,8 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
 
     if repeats < 1:
         raise SystemExit(f"error: --repeats must be at least 1, got {repeats}")
+    if temperature == 0 and full_vocab_draws:
+        raise SystemExit("error: --full-vocab-draws compares how sampled rounds draw; add --temperature T (T > 0)")
     if temperature == 0 and any(t is not None for t in draft_temperatures):
         raise SystemExit("error: --draft-temperature applies to sampled runs; add --temperature T (T > 0)")
     if threads:
@@ -102,15 +106,17 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         draft = load_bench_draft(spec, loaded.model)
         for g in gammas:
             # a block longer than gamma is one verify per round: block = gamma
-            for block, conf, dtemp in dict.fromkeys((min(b, g), c, t) for b in (blocks or (2, g)) for c in confidences
-                                                    for t in draft_temperatures):
+            for block, conf, dtemp, sub in dict.fromkeys(
+                    (min(b, g), c, t, s) for b in (blocks or (2, g)) for c in confidences for t in draft_temperatures
+                    for s in ((True, False) if full_vocab_draws else (True,))):
                 engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
-                                      spec=SpecConfig(g, block, draft_confidence=conf))
+                                      spec=SpecConfig(g, block, draft_confidence=conf, sub_vocab_draws=sub))
                 engine.add_draft("d", draft)
                 name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
                         f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
                         f"K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
-                        + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else ""))
+                        + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else "")
+                        + ("" if sub else " draws over the whole vocabulary"))
                 row_params = params if dtemp is None else dataclasses.replace(params, draft_temperature=dtemp)
                 configs.append((name, engine, row_params))
     ar_passes = [measure(ar_engine, prompts, params, None)]

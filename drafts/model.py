@@ -162,13 +162,14 @@ class DraftModel(nn.Module):
 
     def predict(self, hidden: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft step's outputs from (b, H) adapter outputs, the norm computed once: the greedy token ids (b,)
-        (the argmax over the sub-vocabulary's K scores, mapped to token ids: no (b, V) tensor) or the (b, V)
-        logits, and the proxy feature (b, H) of a deep draft (None otherwise)."""
+        (the argmax over the sub-vocabulary's K scores, mapped to token ids: no (b, V) tensor) or the (b, K)
+        scores over `vocab_ids` ((b, V) logits without a sub-vocabulary: the engine samples over the K
+        tokens the head scores), and the proxy feature (b, H) of a deep draft (None otherwise)."""
         normed = self._norm(hidden)
         scores = self.head(normed, self.target.lm_head, self.vocab_ids)
         proxy = normed if self.feature_input == "deep" else None
         if not greedy:
-            return self._full_logits(scores), proxy
+            return scores, proxy
         token = argmax(scores)
         return (token if self.vocab_ids is None else self.vocab_ids[token]), proxy
 

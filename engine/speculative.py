@@ -47,8 +47,9 @@ class Draft(Protocol):
         ...
 
     def predict(self, hidden: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(b, H) adapter output -> (the draft's greedy token ids (b,) if greedy, else its logits (b, V); for deep
-        drafts the (b, H) stand-in for the target's feature at the next step, else None)."""
+        """(b, H) adapter output -> (the draft's greedy token ids (b,) if greedy, else its logits (b, K) over the
+        token ids of its `vocab_ids` attribute when it has one that is not None (a sub-vocabulary), else (b, V);
+        for deep drafts the (b, H) stand-in for the target's feature at the next step, else None)."""
         ...
 
     def target_features(self, final: torch.Tensor, captured: list[torch.Tensor]) -> torch.Tensor:
@@ -72,6 +73,24 @@ def draft_features(draft, final: torch.Tensor, captured, capture: tuple[int, ...
     return draft.target_features(final, [captured[capture.index(c)] for c in layers])
 
 
+def draft_vocab_size(drafts) -> int | None:
+    """K when every one of these drafts scores a sub-vocabulary of K tokens of its own (`vocab_ids`): a
+    sampled round then draws each drafted token over those K (softmax and inverse CDF over K, not the whole
+    vocabulary) and the verifier spreads only the row it needs over the vocabulary. None when a draft scores
+    the whole vocabulary or the sizes differ: every draft's scores are then spread over the whole
+    vocabulary first (-inf outside its sub-vocabulary)."""
+    sizes = {None if getattr(d, "vocab_ids", None) is None else len(d.vocab_ids) for d in drafts}
+    return next(iter(sizes)) if len(sizes) == 1 else None
+
+
+def full_vocab_scores(draft, scores: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A draft's (b, K) scores over its sub-vocabulary as (b, V) logits, -inf elsewhere (as they are without one)."""
+    ids = getattr(draft, "vocab_ids", None)
+    if ids is None:
+        return scores
+    return scores.new_full((*scores.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, ids, scores)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     num_speculative_tokens: int = 5  # gamma
@@ -82,6 +101,11 @@ class SpecConfig:
     # Which tokens are drafted never changes what is accepted (lossless either way); it saves the draft
     # steps (and verify width) that would mostly be rejected. The one-graph GPU round ignores it.
     draft_confidence: float = 0.0
+    # Sampled rounds draw each drafted token over the draft's own sub-vocabulary when its head has one
+    # (`draft_vocab_size`): a softmax and an inverse CDF over K tokens, not the whole vocabulary. False
+    # spreads its scores over the vocabulary first (the way it was done before; both are lossless, they
+    # draw different tokens from the same seed). For comparisons (`flashspec bench spec --full-vocab-draws`).
+    sub_vocab_draws: bool = True
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -156,17 +180,23 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     # Greedy rounds take the drafts' tokens straight from their heads, unless drafting may stop early (it
     # reads the draft's probabilities).
     draft_greedy = greedy and cfg.draft_confidence == 0
+    vocab = model.args.vocab_size
+    sub = None if draft_greedy or not cfg.sub_vocab_draws else draft_vocab_size(drafts)  # drawn over the sub-vocabulary
+    if sub is not None:
+        vocab_rows = torch.empty(b, sub, dtype=torch.long, device=device)  # each row's draft's token ids
+        for draft, idx, _ in groups.items:
+            vocab_rows[idx] = draft.vocab_ids
 
     def draft_step(tokens: torch.Tensor, positions: torch.Tensor, first: bool, with_head: bool):
         """Trunk (into the target cache) + adapters + head for one token per row at `positions` (b,):
-        -> (trunk (b, 1, H), the drafted tokens (b,) when draft_greedy else the draft logits (b, V))."""
+        -> (trunk (b, 1, H), the drafted tokens (b,) when draft_greedy else the draft logits (b, K or V))."""
         trunk, _, _, _ = eng.run_target(tokens[:, None], positions[:, None], range(0, n_trunk), None, rows, kv_len)  # (b, 1, H)
         if not with_head:
             pred = None
         elif draft_greedy:
             pred = torch.empty(b, dtype=torch.long, device=device)
         else:
-            pred = torch.empty(b, model.args.vocab_size, device=device, dtype=eng.dtype)
+            pred = torch.empty(b, sub or vocab, device=device, dtype=eng.dtype)
         for draft, idx, g_rows in groups.items:
             if not with_head and draft.feature_input == "deep":
                 continue  # the next round's window rewrites this position's adapter KV anyway
@@ -181,6 +211,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                                                      with_head=with_head, greedy=draft_greedy)
             if not with_head:
                 continue  # last token of the round: its adapter KV is needed, its prediction is not
+            if sub is None and not draft_greedy:
+                g_pred = full_vocab_scores(draft, g_pred, vocab)
             pred[idx] = g_pred.to(pred.dtype)
             if g_proxy is not None:
                 proxy[idx] = g_proxy.to(proxy.dtype)
@@ -204,7 +236,7 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     blocks = cfg.blocks()
     stopped = False  # drafting ended early (cfg.draft_confidence): this block is the round's last
     for block_no, block_len in enumerate(blocks):
-        block_tokens, block_probs = [], []
+        block_tokens, block_probs, block_index = [], [], []
         for j in range(block_len):
             if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
                 logits = draft_pred.float()  # top probability = exp(max - logsumexp): no softmax tensor
@@ -214,12 +246,14 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                     break
             if draft_greedy:
                 token, probs = draft_pred, None  # the heads' own greedy tokens
-            elif greedy:
-                token = argmax(draft_pred)
-                probs = None
             else:
-                probs = processed_probs(draft_pred, draft_temperature, top_k, top_p, filtered)
-                token = sample(probs, streams)
+                if greedy:
+                    index, probs = argmax(draft_pred), None
+                else:
+                    probs = processed_probs(draft_pred, draft_temperature, top_k, top_p, filtered)
+                    index = sample(probs, streams)
+                token = index if sub is None else vocab_rows.gather(1, index[:, None])[:, 0]
+                block_index.append(index)
             block_tokens.append(token)
             block_probs.append(probs)
             drafted_tokens.append(token)
@@ -254,7 +288,9 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             target_probs = processed_probs(target_logits, temperature, top_k, top_p, filtered)
             if carry_probs is not None:
                 target_probs = torch.cat([carry_probs, target_probs], dim=1)
-            res = verify_sampled(block, torch.stack(block_probs, dim=1), target_probs, streams)
+            res = verify_sampled(block, torch.stack(block_probs, dim=1), target_probs, streams,
+                                 draft_vocab=None if sub is None else vocab_rows,
+                                 draft_index=None if sub is None else torch.stack(block_index, dim=1))
             carry_next = target_probs[:, -1:]
         live = ~done
         passes += live.long()
@@ -388,7 +424,10 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                 out = torch.where(m.view(-1, *([1] * (v.dim() - 1))), v, out)
             return out
 
-        tokens, trunks, drafted, draft_probs = pending, [], [], []
+        sub = None if greedy or not eng.spec.sub_vocab_draws else draft_vocab_size(order)  # sampled: over the sub-vocabulary
+        if sub is not None:  # each row's draft's token ids (bucket, K)
+            vocab_rows = pick([d.vocab_ids[None].expand(pending.shape[0], -1) for d in order])
+        tokens, trunks, drafted, draft_probs, draft_index = pending, [], [], [], []
         # The round's 2 * gamma + 1 draws at once (draft j takes draw j, the verifier the rest): one hash of
         # the counters instead of one per draft step and two for the verifier, about 50 small kernels each.
         draws = None if greedy else uniform_at(state, 0, (pending.shape[0], 2 * gamma + 1))
@@ -418,6 +457,8 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                 if j == gamma:
                     continue  # last token: adapter KV written, no prediction needed
                 prediction, proxy = draft.predict(out, greedy)  # greedy: token ids; else logits
+                if not greedy and sub is None:
+                    prediction = full_vocab_scores(draft, prediction, model.args.vocab_size)
                 predictions.append(prediction)
                 if deep:
                     proxies[g] = proxy
@@ -427,8 +468,10 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                 tokens = pick(predictions)  # (bucket,)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
                 probs = processed_probs(pick(predictions), draft_temperature, top_k, top_p, filtered)
-                tokens = sample_with(probs, draws[:, j])
+                index = sample_with(probs, draws[:, j])
+                tokens = index if sub is None else vocab_rows.gather(1, index[:, None])[:, 0]
                 draft_probs.append(probs)
+                draft_index.append(index)
             drafted.append(tokens)
         drafted, trunks = torch.stack(drafted, dim=1), torch.cat(trunks, dim=1)  # (bucket, gamma), (bucket, gamma + 1, H)
         # Verification in the same graph: the deep layers on the round's trunk states, the longest
@@ -440,7 +483,9 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             res = verify_greedy(drafted, out.logits)
         else:
             target_probs = processed_probs(out.logits, temperature, top_k, top_p, filtered)
-            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, draws=draws[:, gamma:])
+            res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, draws=draws[:, gamma:],
+                                 draft_vocab=None if sub is None else vocab_rows,
+                                 draft_index=None if sub is None else torch.stack(draft_index, dim=1))
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each row gets its own draft's features

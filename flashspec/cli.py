@@ -154,6 +154,8 @@ def bench_spec(
     temperature: Annotated[float, typer.Option(help="Sampling temperature of every path (0 = greedy).")] = 0.0,
     draft_temperature: Annotated[Optional[list[float]], typer.Option(
         help="With --temperature: the draft's sampling temperature(s), each a row (default: the same as --temperature).")] = None,
+    full_vocab_draws: Annotated[bool, typer.Option(
+        help="With --temperature: each row again, the draft's tokens drawn over the whole vocabulary, not its sub-vocabulary.")] = False,
 ) -> None:
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
@@ -161,7 +163,7 @@ def bench_spec(
     run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=tuple(gamma),
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
         repeats=repeats, temperature=temperature,
-        draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,))
+        draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,), full_vocab_draws=full_vocab_draws)
 
 
 @app.command()

@@ -83,3 +83,22 @@ def test_draft_temperatures_are_rows_of_a_sampled_run_and_refused_for_greedy(mon
     assert all(dt is None for name, _, dt in seen if name is None)  # plain decoding has no draft
     with pytest.raises(SystemExit, match="--temperature"):
         spec_bench.run(draft_temperatures=(0.8,))
+
+
+def test_full_vocab_draws_add_a_row_per_sampled_row_and_are_refused_for_greedy(monkeypatch, tiny_target):
+    seen = []
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [12.0, 13.0])
+    real = spec_bench.measure
+
+    def measure(engine, prompts, params, draft_name):
+        if draft_name is not None:
+            seen.append(engine.spec.sub_vocab_draws)
+        return real(engine, prompts, params, draft_name)
+
+    monkeypatch.setattr(spec_bench, "measure", measure)
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep,8"], n_prompts=1, max_new_tokens=4, blocks=(5,),
+                          temperature=1.0, full_vocab_draws=True)
+    assert seen == [True, False]
+    assert [r["name"].endswith("draws over the whole vocabulary") for r in rows[1:]] == [False, True]
+    with pytest.raises(SystemExit, match="--temperature"):
+        spec_bench.run(full_vocab_draws=True)

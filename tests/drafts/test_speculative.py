@@ -387,8 +387,10 @@ def exact_joint(model, temperature: float, top_p: float) -> torch.Tensor:
     return joint.view(V, V, V)
 
 
-def sampled_tokens(model, draft, temperature, top_p, n, spec=SpecConfig(3, 2), batch=500, gamma=None) -> torch.Tensor:
-    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec, gamma=gamma)
+def sampled_tokens(model, draft, temperature, top_p, n, spec=SpecConfig(3, 2), batch=500, gamma=None,
+                   cuda_graphs=None) -> torch.Tensor:
+    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec, gamma=gamma,
+                       cuda_graphs=cuda_graphs)
     eng.add_draft("d", draft)
     params = [SamplingParams(max_new_tokens=K, temperature=temperature, top_p=top_p, seed=i, eos_token_ids=())
               for i in range(n)]
@@ -427,6 +429,33 @@ def test_sampling_is_lossless(small, temperature, top_p):
     assert _draft_target_tv(model, draft, temperature, top_p) > 0.1
 
 
+@pytest.mark.parametrize("path", ["general loop", "one-graph round", "whole vocabulary"])
+def test_sampling_is_lossless_with_a_sub_vocabulary_draft(tiny, path, monkeypatch):
+    """A draft scoring 5 of the 8 tokens (listed out of id order) draws its tokens over those 5 and the
+    verifier spreads its distribution over the vocabulary only where it needs it: the output still has
+    the target's distribution, in the general loop (blocks of 2) and in the captured round (emulated);
+    and so it has with `sub_vocab_draws=False`, which draws over the whole vocabulary."""
+    model = tiny.tiny_vocab_target(V, num_layers=3, seed=7)
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", head_vocab=5))
+    draft.init_from_target()
+    draft.set_vocab(torch.tensor([6, 1, 3, 0, 7]))
+    draft = noisy(draft, 1.0)
+    subs = []
+    real = speculative.verify_sampled
+    monkeypatch.setattr(speculative, "verify_sampled",
+                        lambda *a, **kw: subs.append(kw.get("draft_vocab") is not None) or real(*a, **kw))
+    n = 20000
+    one_graph = path == "one-graph round"
+    whole = path == "whole vocabulary"
+    tokens = sampled_tokens(model, draft, 1.0, 1.0, n, spec=SpecConfig(3, 3 if one_graph else 2, sub_vocab_draws=not whole),
+                            batch=256, cuda_graphs="emulate" if one_graph else None)
+    assert subs and all(s != whole for s in subs)  # every round drew over the sub-vocabulary (or over the whole)
+    per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint
+
+
 def test_sampling_is_lossless_with_adaptive_gamma(small):
     """Rounds of different gammas (the controller cycles through 1-3 and then picks by measured rates)."""
     from engine.gamma import GammaController
@@ -453,13 +482,13 @@ def _draft_target_tv(model, draft, temperature, top_p) -> float:
     return 0.5 * (processed_probs(target_logits, *args) - processed_probs(draft_logits, *args)).abs().sum().item()
 
 
-def _accept_all(draft_tokens, draft_probs, target_probs, streams):
+def _accept_all(draft_tokens, draft_probs, target_probs, streams, **_):
     batch, k = draft_tokens.shape
     return VerifyResult(torch.full((batch,), k), sample(target_probs[:, k], streams))
 
 
-def _recover_from_target(draft_tokens, draft_probs, target_probs, streams):
-    result = _REAL_VERIFY(draft_tokens, draft_probs, target_probs, streams)
+def _recover_from_target(draft_tokens, draft_probs, target_probs, streams, **kw):
+    result = _REAL_VERIFY(draft_tokens, draft_probs, target_probs, streams, **kw)
     rows = torch.arange(draft_tokens.shape[0])
     wrong = sample(target_probs[rows, result.num_accepted], streams)
     rejected = result.num_accepted < draft_tokens.shape[1]

@@ -139,3 +139,24 @@ def test_sampled_is_reproducible_per_row_stream(seed):
         return res.num_accepted.tolist(), res.next_token.tolist()
 
     assert run() == run()
+
+
+def test_a_sub_vocabulary_draft_verifies_as_its_whole_vocabulary_form():
+    """A draft that drew over its K-token sub-vocabulary (probabilities (B, k, K), each row's token ids, the
+    drafted tokens' places in them) gets exactly what the same draft spread over the whole vocabulary (zeros
+    elsewhere) gets from the same draws: same accepted counts, same next tokens, rejections included."""
+    gen = torch.Generator().manual_seed(11)
+    b, k, v, sub = 64, 3, 12, 5
+    ids = torch.stack([torch.randperm(v, generator=gen)[:sub] for _ in range(b)])  # (B, K), out of id order
+    draft_sub = torch.rand(b, k, sub, generator=gen).pow(3)
+    draft_sub /= draft_sub.sum(-1, keepdim=True)
+    index = torch.multinomial(draft_sub.view(-1, sub), 1, generator=gen).view(b, k)
+    tokens = ids.gather(1, index)
+    draft_full = torch.zeros(b, k, v).scatter_(-1, ids[:, None].expand(-1, k, -1), draft_sub)
+    target = torch.rand(b, k + 1, v, generator=gen).pow(3)
+    target /= target.sum(-1, keepdim=True)
+    draws = torch.rand(b, k + 1, generator=gen)
+    whole = verify_sampled(tokens, draft_full, target, draws=draws)
+    part = verify_sampled(tokens, draft_sub, target, draws=draws, draft_vocab=ids, draft_index=index)
+    assert torch.equal(part.num_accepted, whole.num_accepted) and torch.equal(part.next_token, whole.next_token)
+    assert 0 < int((whole.num_accepted < k).sum()) < b  # rejections (the residual) and full acceptances both ran
