@@ -343,6 +343,47 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
+class HostSplit:
+    """Where a timed pass's wall time goes, from the engine's own calls: in `DecodeEngine.step` (and, of that,
+    in its speculative rounds, `_spec_round`: choosing gamma, launching the round, waiting for its result)
+    or outside any step (the generation loop: queuing requests, collecting outputs). The methods are
+    wrapped on the instance for the pass and restored after it."""
+
+    def __init__(self, eng) -> None:
+        self.eng = eng
+        self.seconds = {"step": 0.0, "_spec_round": 0.0}
+        self.calls = {"step": 0, "_spec_round": 0}
+
+    def __enter__(self) -> "HostSplit":
+        for name in self.seconds:
+            real = getattr(self.eng, name)
+
+            def timed(*args, _real=real, _name=name, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*args, **kwargs)
+                finally:
+                    self.seconds[_name] += time.perf_counter() - t0
+                    self.calls[_name] += 1
+
+            setattr(self.eng, name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.seconds:
+            delattr(self.eng, name)  # the class's method again
+
+    def report(self, wall: float) -> dict:
+        """ms: the pass, in steps, in rounds, in steps but not rounds, outside steps; and per call."""
+        step, rnd = self.seconds["step"], self.seconds["_spec_round"]
+        n_step, n_round = self.calls["step"], self.calls["_spec_round"]
+        return {"pass_ms": round(wall * 1e3, 1), "steps": n_step, "step_ms": round(step * 1e3, 1),
+                "rounds": n_round, "round_ms": round(rnd * 1e3, 1),
+                "step_not_round_ms": round((step - rnd) * 1e3, 1), "outside_steps_ms": round((wall - step) * 1e3, 1),
+                "ms_per_round": round(rnd * 1e3 / n_round, 3) if n_round else None,
+                "ms_per_step_outside_round": round((step - rnd) * 1e3 / n_step, 3) if n_step else None}
+
+
 class EngineRow:
     """One engine row of a cell (`Bench.engine_row`): the engine with its drafts, governor and gamma controller,
     warmed up; `timed_pass` times one pass over the cell's requests; `result` is the table row.
@@ -379,6 +420,7 @@ class EngineRow:
         self.rates: list[float] = []
         self.outs: list = []
         self.pauses = GcPauses()
+        self.splits: list[dict] = []
         self.captures = 0
 
     def once(self) -> list:
@@ -407,14 +449,16 @@ class EngineRow:
 
     def timed_pass(self) -> float:
         """One timed pass over every request (a short cell's pass is a fraction of a second: rows take the
-        median of several)."""
+        median of several), with where its wall time went (`HostSplit`)."""
         _sync()
-        with self.pauses:
+        with self.pauses, HostSplit(self.eng) as split:
             t0 = time.perf_counter()
             self.outs = self.once()
             _sync()
-            rate = sum(len(o.token_ids) for o in self.outs) / (time.perf_counter() - t0)
+            wall = time.perf_counter() - t0
+            rate = sum(len(o.token_ids) for o in self.outs) / wall
         self.rates.append(rate)
+        self.splits.append(split.report(wall))
         return rate
 
     def result(self) -> dict:
@@ -428,7 +472,8 @@ class EngineRow:
                "acc": accepted / drafted if drafted else None, "peak_gb": self.peak_bytes / 2**30,
                "outs": [o.token_ids for o in outs], "graphs": len(self.eng.graphs),
                "graphs_in_passes": self.eng.graphs.captures - self.captures,  # captured inside the measured passes
-               "gc_ms_per_pass": round(self.pauses.seconds * 1000 / max(passes, 1), 2), "gc_full": self.pauses.full}
+               "gc_ms_per_pass": round(self.pauses.seconds * 1000 / max(passes, 1), 2), "gc_full": self.pauses.full,
+               "host_split": self.splits[-1] if self.splits else None}
         if self.governor_on:  # what it measured and decided from: seconds per token and sample counts per bucket
             row["governor"] = self.gov.snapshot()
         if self.adaptive:  # rounds per gamma, acceptance survival per draft, round ms per key and gamma

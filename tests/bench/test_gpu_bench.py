@@ -131,7 +131,36 @@ def test_a_cells_engine_rows_take_their_passes_in_turn_and_a_broken_one_is_kept(
     rows = {r["name"]: r for r in bench.rows}
     assert [r["name"] for r in bench.rows] == ["a", "b", "unbuildable", "broken"]
     assert len(rows["a"]["tps_passes"]) == 3 and rows["a"]["tps"] > 0 and rows["b"]["tps"] > 0
+    split = rows["a"]["host_split"]  # the last pass: time in the engine's steps, and outside them
+    assert split["steps"] > 0 and split["rounds"] == 0 and 0 < split["step_ms"] <= split["pass_ms"]
+    assert split["outside_steps_ms"] == pytest.approx(split["pass_ms"] - split["step_ms"], abs=0.2)
     assert rows["unbuildable"]["error"] == "ValueError: no such draft"
     assert rows["broken"]["tps"] is None and rows["broken"]["error"] == "RuntimeError: lost the device"
     bench.args.short_passes = 7  # short cells (20 new tokens or fewer) take their own pass count
     assert (bench.passes(6), bench.passes(20), bench.passes(256)) == (7, 7, 3)
+
+
+def test_the_host_split_counts_rounds_and_restores_the_engine(tiny_target):
+    """`HostSplit` times the engine's steps and speculative rounds for one pass, then leaves the engine's own
+    methods in place."""
+    from bench.gpu import HostSplit
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    model = tiny_target.model
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+    draft.init_from_target()
+    eng = DecodeEngine(model, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(3, 3))
+    eng.add_draft("d", draft)
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=())
+    with HostSplit(eng) as split:
+        outs = generate(eng, [[5, 6, 7], [8, 9]], params, "d")
+    report = split.report(wall=10.0)
+    per_request = [o.stats.rounds for o in outs]  # a batched round counts once for the engine, once per row here
+    assert 0 < max(per_request) <= report["rounds"] <= sum(per_request) <= 2 * report["steps"]
+    assert 0 < report["round_ms"] <= report["step_ms"] <= report["pass_ms"] == 10000.0
+    assert "step" not in vars(eng) and "_spec_round" not in vars(eng)
