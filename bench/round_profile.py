@@ -255,7 +255,7 @@ def fused_default(attention: str):
 
 @torch.no_grad()
 def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[str] | None = None,
-                  temperatures: tuple[float, ...] = (0.0,)) -> None:
+                  temperatures: tuple[float, ...] = (0.0,), sub_vocab_draws: bool = True) -> None:
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
@@ -263,7 +263,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed.
-    `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded)."""
+    `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded);
+    `sub_vocab_draws`: `SpecConfig.sub_vocab_draws` (False: sampled rounds draw over the whole vocabulary)."""
     from bench.gpu import pick_prompts
     from engine.generate import generate
     from engine.sampling import SamplingParams
@@ -294,7 +295,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         else:
             prompts, names = data["code"][kind][:bs], [which] * bs
         eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=bs, max_seq_len=max(map(len, prompts)) + new + 16,
-                           spec=SpecConfig(5, 5), mixed_round_graph=one_graph, overlap=overlap)
+                           spec=SpecConfig(5, 5, sub_vocab_draws=sub_vocab_draws), mixed_round_graph=one_graph,
+                           overlap=overlap)
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
         params = [SamplingParams(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=i)
@@ -429,6 +431,8 @@ def main() -> None:
                         help="--engine-graphs: only these cases, by label, separated by ';' (e.g. 'bs 1, code draft')")
     parser.add_argument("--temperatures", default="0",
                         help="--engine-graphs: comma list of temperatures each case runs at (0: greedy)")
+    parser.add_argument("--full-vocab-draws", action="store_true",
+                        help="--engine-graphs: sampled rounds draw the draft's tokens over the whole vocabulary")
     parser.add_argument("--profiler-effect", action="store_true",
                         help="only a toy graph's launch and replay times before and after a torch.profiler session")
     parser.add_argument("--warmup", action="store_true",
@@ -451,7 +455,8 @@ def main() -> None:
     elif args.engine_graphs:
         engine_graphs(args.attention, args.engine_graphs,
                       only=args.cases.split(";") if args.cases else None,
-                      temperatures=tuple(float(t) for t in args.temperatures.split(",")))
+                      temperatures=tuple(float(t) for t in args.temperatures.split(",")),
+                      sub_vocab_draws=not args.full_vocab_draws)
     else:
         round_pieces(args.domain, args.attention, not args.unfused)
 
