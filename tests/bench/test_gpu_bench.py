@@ -43,12 +43,12 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
     failed = bench.measure("bs 1", "FlashSpec, governor", broken)
     assert failed["tps"] is None and failed["error"].startswith("RuntimeError: CUDA error: operation failed")
     bench.measure("bs 1", "FlashSpec, block 5", lambda: {"tps": 150.0, "mal": 2.5, "tps_passes": [149.6, 150.0, 163.2],
-                                                         "graphs_in_passes": 2})
+                                                         "graphs_in_passes": 2, "passes_rerun": 3})
     assert bench.measure("bs 1", "transformers lookup", lambda: None) is None  # a row that does not apply
     lines = table_rows(bench.rows)
     assert len(lines) == 3
     assert "failed: RuntimeError: CUDA error" in lines[1] and "more lines" not in lines[1]
-    assert "| 150.0 | 1.50x |" in lines[2] and lines[2].endswith("| 150-163 (2) |")  # passes' spread, captures
+    assert "| 150.0 | 1.50x |" in lines[2] and lines[2].endswith("| 150-163 (2 captured, 3 passes rerun) |")  # spread, captures
     assert lines[0].endswith("| - |")
 
 
@@ -164,3 +164,32 @@ def test_the_host_split_counts_rounds_and_restores_the_engine(tiny_target):
     assert 0 < max(per_request) <= report["rounds"] <= sum(per_request) <= 2 * report["steps"]
     assert 0 < report["round_ms"] <= report["step_ms"] <= report["pass_ms"] == 10000.0
     assert "step" not in vars(eng) and "_spec_round" not in vars(eng)
+
+
+def test_a_timed_pass_that_captured_a_graph_runs_again(tiny_target):
+    """A pass during which the engine captured a CUDA graph is no steady-state sample: it runs again (at most
+    twice), and the row counts the reruns; the rate is the last try's."""
+    import argparse
+
+    from bench.gpu import RERUNS, Bench
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, gammas=(), adaptive_gamma=False)
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    row = bench.engine_row([[5, 6, 7], [8, 9, 10, 11]], ["code", "code"], 6, True, 2, None)
+    tries, real = [], row.once
+
+    def once(captures):
+        tries.append(1)
+        if captures:
+            row.eng.graphs.captures += 1  # as a capture inside the pass would
+        return real()
+
+    row.once = lambda: once(len(tries) < 1)  # the first try captures, the second does not
+    row.timed_pass()
+    assert len(tries) == 2 and row.reruns == 1 and len(row.rates) == 1
+    tries.clear()
+    row.once = lambda: once(True)  # every try captures: it gives up after RERUNS more
+    row.timed_pass()
+    assert len(tries) == RERUNS + 1 and row.reruns == 1 + RERUNS and len(row.rates) == 2
+    assert row.result()["passes_rerun"] == 1 + RERUNS
