@@ -1,6 +1,11 @@
 """Domain matrix: mean accepted length of every (draft domain x prompt domain) pair, plus a mixed draft.
 
     python -m bench.domains --device cpu --prompts 8 --tokens 64 [--mixed RUN/final] [--store DIR]
+    python -m bench.domains --shapes --prompts 12 --tokens 64
+
+--shapes: instead of the matrix, each domain's draft on prompts of three shapes from the same split: as
+trained (the templated request, at most 512 tokens) and the GPU benchmark's two (bench.export_prompts:
+the request with other documents appended to 512 tokens; the request cut to 32).
 
 Drafts: each domain's active draft (user store first, then the shipped demo drafts), and optionally
 one draft trained on all domains mixed (`train-draft --domain mixed` saves it to <out>/final).
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--split", default="validation")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None, help="also write the matrix as JSON here")
+    parser.add_argument("--shapes", action="store_true",
+                        help="each domain's draft on its prompts as trained, long (512) and short (32), not the matrix")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.mixed:
         drafts["mixed"] = load_draft(args.mixed, loaded.model, name="mixed")
     prompts = {d: held_out_prompts(d, loaded.tokenizer, args.prompts, args.split) for d in DOMAINS}
+    if args.shapes:
+        return shapes_table(loaded, drafts, prompts, args)
 
     start = time.perf_counter()
     table = domain_matrix(loaded.model, loaded.tokenizer, drafts, prompts, args.tokens)
@@ -91,6 +100,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"setup": vars(args), "mean_accepted_length": table}, f, indent=2)
+
+
+def shapes_table(loaded, drafts: dict, prompts: dict[str, list[list[int]]], args) -> dict:
+    """Each domain's own draft on its split's prompts in three shapes: {domain: {shape: mean accepted length}}."""
+    from bench.export_prompts import shaped_prompts
+    from training.corpora import load_domain
+    from training.evaluate import evaluate_draft
+
+    start = time.perf_counter()
+    table = {}
+    for domain, as_trained in prompts.items():
+        ds = load_domain(domain, args.split)
+        longs, shorts = shaped_prompts(loaded.tokenizer, list(ds.select(range(min(len(ds), 8 * args.prompts)))),
+                                       args.prompts)
+        table[domain] = {}
+        for shape, ids in (("as trained", as_trained), ("long 512", longs), ("short 32", shorts)):
+            report = evaluate_draft(loaded.model, loaded.tokenizer, drafts[domain], ids, args.tokens, 5, blocks=(5,),
+                                    include_ar=False, quality=False)
+            table[domain][shape] = (report["mean_accepted_length"], len(ids), round(sum(map(len, ids)) / len(ids)))
+    print(f"setup: target {loaded.name}, device {args.device} ({platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads), greedy, gamma 5, block 5, bs 1, {args.prompts} {args.split} prompts "
+          f"per domain and shape, {args.tokens} new tokens; {time.perf_counter() - start:.0f}s")
+    print("mean accepted length of each domain's draft (prompts, mean prompt tokens):")
+    print("draft | as trained | long 512 | short 32\n---|---|---|---|")
+    for domain, row in table.items():
+        print(f"{domain} | " + " | ".join(f"{mal:.3f} ({n}, {t})" for mal, n, t in row.values()))
+    return table
 
 
 if __name__ == "__main__":

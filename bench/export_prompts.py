@@ -13,30 +13,37 @@ import argparse
 import json
 
 
-def build(tokenizer, n: int, long_len: int = 512, short_len: int = 32) -> dict:
+def build(tokenizer, n: int, long_len: int = 512, short_len: int = 32, split: str = "test") -> dict:
     from training.corpora import load_domain
 
     out = {}
     for domain in ("code", "general", "dialog"):
-        ds = load_domain(domain, "test")
-        rows = list(ds.select(range(min(len(ds), 8 * n))))
-        longs, shorts = [], []
-        for i, row in enumerate(rows):
-            if len(longs) < n:
-                content = row["messages"][-1]["content"]
-                j = i
-                while len(tokenizer(content, add_special_tokens=False).input_ids) < long_len and j < i + 20:
-                    j += 1
-                    content += "\n\n" + rows[j % len(rows)]["text"]
-                ids = _render_cut(tokenizer, row["messages"][:-1], content, long_len)
-                if ids is not None:
-                    longs.append(ids)
-            if len(shorts) < n:
-                ids = _render_cut(tokenizer, row["messages"][:-1], row["messages"][-1]["content"], short_len)
-                if ids is not None:
-                    shorts.append(ids)
+        ds = load_domain(domain, split)
+        longs, shorts = shaped_prompts(tokenizer, list(ds.select(range(min(len(ds), 8 * n)))), n, long_len, short_len)
         out[domain] = {"long": longs, "short": shorts}
     return out
+
+
+def shaped_prompts(tokenizer, rows: list[dict], n: int, long_len: int = 512,
+                   short_len: int = 32) -> tuple[list[list[int]], list[list[int]]]:
+    """Up to n prompts of each benchmark shape from corpus rows (`messages`, `text`): long = the request with
+    the next rows' documents appended, cut to exactly long_len tokens; short = the request cut to short_len."""
+    longs, shorts = [], []
+    for i, row in enumerate(rows):
+        if len(longs) < n:
+            content = row["messages"][-1]["content"]
+            j = i
+            while len(tokenizer(content, add_special_tokens=False).input_ids) < long_len and j < i + 20:
+                j += 1
+                content += "\n\n" + rows[j % len(rows)]["text"]
+            ids = _render_cut(tokenizer, row["messages"][:-1], content, long_len)
+            if ids is not None:
+                longs.append(ids)
+        if len(shorts) < n:
+            ids = _render_cut(tokenizer, row["messages"][:-1], row["messages"][-1]["content"], short_len)
+            if ids is not None:
+                shorts.append(ids)
+    return longs, shorts
 
 
 def _render_cut(tokenizer, history, content, total):

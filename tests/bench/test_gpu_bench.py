@@ -193,3 +193,20 @@ def test_a_timed_pass_that_captured_a_graph_runs_again(tiny_target):
     row.timed_pass()
     assert len(tries) == RERUNS + 1 and row.reruns == 1 + RERUNS and len(row.rates) == 2
     assert row.result()["passes_rerun"] == 1 + RERUNS
+
+
+def test_shaped_prompts_are_exactly_the_benchmark_lengths(tiny):
+    """bench.export_prompts.shaped_prompts (the GPU benchmark's prompts, and bench.domains --shapes): long =
+    the request with later rows' documents appended, cut to exactly long_len tokens; short = the request cut."""
+    from bench.export_prompts import shaped_prompts
+
+    tok = tiny.make_tokenizer(200)
+    tok.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}{% if add_generation_prompt %}w4{% endif %}"
+    words = lambda start, n: " ".join(f"w{5 + (start + i) % 190}" for i in range(n))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": words(7 * i, 20)}], "text": words(11 * i, 60)} for i in range(6)]
+    longs, shorts = shaped_prompts(tok, rows, 4, long_len=64, short_len=12)
+    assert len(longs) == 4 and all(len(p) == 64 for p in longs)
+    assert len(shorts) == 4 and all(len(p) == 12 for p in shorts)
+    first = tok(rows[0]["messages"][0]["content"]).input_ids
+    assert longs[0][1:21] == first and shorts[0][:2] == [2, first[0]]  # the request leads, then the appended text
+    assert longs[0][21:25] == tok(rows[1]["text"]).input_ids[:4]
