@@ -28,7 +28,9 @@ turns (pass p starts at row p), so a drift of the machine during the cell moves 
 plain engine AR row of the unfused table runs first and alone (its outputs are the reference). The
 table's last column is a row's slowest and fastest pass and, in brackets, the CUDA graphs it still
 captured inside its timed passes (a capture stalls the batch, as a warmed-up server's would not be): a
-pass that captured is run again, at most twice, and the column says how many were.
+pass that captured is run again, at most twice, and the column says how many were. Each row's log line
+(JSON) carries `host_split`: its last timed pass's wall time split into the engine's steps, its
+speculative rounds and the time outside any step (`HostSplit`).
 
 --attention NAME runs every row with that attention backend (default sdpa); --attention-compare
 triton[,flex] then runs engine AR and the block-5 rows again with each other backend (on the fused
