@@ -1,7 +1,7 @@
 """The recipe that trains the shipped demo drafts (and the benchmark's seed-default-shape drafts).
 
-    python -m training.demo_recipe export --out DIR      # here: corpora -> plain JSON (gzip)
-    python -m training.demo_recipe train --data DIR --out DIR --device cuda [--parallel]
+    python -m training.demo_recipe export --out DIR [--shaped-prompts N]   # here: corpora -> plain JSON (gzip)
+    python -m training.demo_recipe train --data DIR --out DIR --device cuda [--parallel] [--shaped-prompts]
 
 `export` writes the rows training needs as plain JSON, so the GPU machine needs no `datasets`.
 `train` runs the same pipeline pieces as `flashspec train-draft` per domain: self-distillation
@@ -9,6 +9,13 @@
 evaluation with the real decoder on validation prompts, then a fp16 checkpoint with its manifest.
 `--parallel` trains every domain in its own process at once, spread round-robin over the visible
 GPUs (a 135M target leaves one H200 mostly idle, so two runs share a GPU well).
+
+`export --shaped-prompts N` also writes N training prompts of each of the GPU benchmark's two shapes per
+domain (`bench.export_prompts.shaped_prompts` on the train split: the request with other documents
+appended to 512 tokens, the request cut to 32); `train --shaped-prompts` adds them to the self-distilled
+prompts (their greedy and sampled replies are the sequences; raise `--seq-len` above 512 + the reply
+length, or the long ones keep only their last tokens). The shipped drafts never saw either shape, and
+accept 1.7-1.8 tokens a round on cut requests (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class Rows(dict):
         return len(next(iter(self.values()), []))
 
 
-def export(out: Path, train_rows: int, val_rows: int) -> None:
+def export(out: Path, train_rows: int, val_rows: int, shaped: int = 0) -> None:
     from training.corpora import load_domain
 
     out.mkdir(parents=True, exist_ok=True)
@@ -61,12 +68,40 @@ def export(out: Path, train_rows: int, val_rows: int) -> None:
             ds = load_domain(domain, split)
             ds = ds.shuffle(seed=0).select(range(min(n, len(ds))))
             data[split] = {"prompt": list(ds["prompt"]), "text": list(ds["text"])}
+        if shaped:
+            data["shaped"] = shaped_export(domain, shaped)
         with gzip.open(out / f"{domain}.json.gz", "wt") as f:
             json.dump(data, f)
         print(domain, {k: len(v["prompt"]) for k, v in data.items()})
 
 
-def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args, out: Path) -> dict:
+def shaped_export(domain: str, n: int) -> dict[str, list[str]]:
+    """n templated training prompts of each benchmark shape (train split, shuffled with another seed than
+    the rows above), as text: {"prompt": [...], "shape": ["long" | "short", ...]}."""
+    from bench.export_prompts import shaped_prompts
+    from engine.loading import load_tokenizer
+    from training.corpora import load_domain
+
+    tok = load_tokenizer("default")
+    ds = load_domain(domain, "train").shuffle(seed=1)
+    longs, shorts = shaped_prompts(tok, list(ds.select(range(min(len(ds), 4 * n)))), n)
+    return {"prompt": [tok.decode(ids) for ids in longs + shorts], "shape": ["long"] * len(longs) + ["short"] * len(shorts)}
+
+
+def with_shaped(rows: Rows, shaped: dict | None, replies: dict, sampled: list[dict],
+                shaped_replies: dict, shaped_sampled: list[dict]) -> tuple[Rows, dict, list[dict]]:
+    """The training rows with the shaped prompts appended (no raw text: their sequences are the target's
+    replies), and the replies of both merged: what `domain_sequences` takes."""
+    if not shaped:
+        return rows, replies, sampled
+    prompts = list(shaped["prompt"])
+    merged = Rows({"prompt": list(rows["prompt"]) + prompts, "text": list(rows["text"]) + [""] * len(prompts)})
+    more = [{**a, **b} for a, b in zip(sampled, shaped_sampled)] if shaped_sampled else sampled
+    return merged, {**replies, **shaped_replies}, more
+
+
+def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args, out: Path,
+              shaped: dict | None = None) -> dict:
     from drafts.checkpoint import save_draft
     from training.distill import TrainConfig, domain_sequences, frequent_vocab, train
     from training.evaluate import evaluate_draft
@@ -77,6 +112,17 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     replies, sampled = greedy_and_sampled(model, tok, domain_name, rows, args.self_distill, args.sampled_replies,
                                           args.sample_temperature, max_new_tokens=args.reply_tokens,
                                           batch_size=args.gen_batch, progress=False)
+    shaped = shaped if args.shaped_prompts else None
+    if args.shaped_prompts and not shaped:
+        raise SystemExit(f"{domain_name}: --shaped-prompts, but {args.data} has no shaped prompts; "
+                         "export them: python -m training.demo_recipe export --out DIR --shaped-prompts N")
+    shaped_replies, shaped_sampled = ({}, [])
+    if shaped:  # every shaped prompt answered (its own cache entry: the domain name says "shaped")
+        shaped_replies, shaped_sampled = greedy_and_sampled(
+            model, tok, f"{domain_name}-shaped", Rows(prompt=shaped["prompt"]), len(shaped["prompt"]),
+            args.sampled_replies, args.sample_temperature, max_new_tokens=args.reply_tokens, batch_size=args.gen_batch,
+            progress=False, max_prompt_tokens=1024)
+    rows, replies, sampled = with_shaped(rows, shaped, replies, sampled, shaped_replies, shaped_sampled)
     t_gen = time.perf_counter() - t0
     max_seconds = args.max_seconds
     if args.total_seconds:  # what is left of the whole run's budget, less a reserve for evaluation and saving
@@ -103,6 +149,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     report = evaluate_draft(model, tok, draft, prompts, max_new_tokens=args.eval_tokens, blocks=(5,), quality=False)
     summary = {"steps": result.step, "train_seconds": round(t_train, 1), "self_distill_seconds": round(t_gen, 1),
                "sequences": len(data), "self_distilled": len(replies), "sampled_replies": sum(map(len, sampled)),
+               "shaped_prompts": len(shaped["prompt"]) if shaped else 0,
                "sample_temperature": args.sample_temperature if sampled else None, "recipe": "training/demo_recipe.py",
                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "config": cfg.model_dump(exclude={"out_dir", "resume"}),
@@ -173,6 +220,8 @@ def main() -> None:
     e.add_argument("--out", type=Path, required=True)
     e.add_argument("--train-rows", type=int, default=8000)
     e.add_argument("--val-rows", type=int, default=64)
+    e.add_argument("--shaped-prompts", type=int, default=0,
+                   help="also N training prompts per domain of each GPU benchmark shape (long 512, short 32)")
     t = sub.add_parser("train")
     t.add_argument("--data", type=Path, required=True)
     t.add_argument("--out", type=Path, required=True)
@@ -204,6 +253,8 @@ def main() -> None:
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)
     t.add_argument("--eval-prompt-tokens", type=int, default=512)
+    t.add_argument("--shaped-prompts", action="store_true",
+                   help="self-distill and train on the exported benchmark-shaped prompts too (export --shaped-prompts)")
     m = sub.add_parser("matrix", help="domain matrix of the trained drafts on held-out prompts of each domain")
     m.add_argument("--data", type=Path, required=True)
     m.add_argument("--drafts", type=Path, required=True, help="folder with <name>/<version>/ drafts (code, general, dialog, mixed)")
@@ -213,7 +264,7 @@ def main() -> None:
     args = parser.parse_args()
     args.started = time.perf_counter()
     if args.cmd == "export":
-        export(args.out, args.train_rows, args.val_rows)
+        export(args.out, args.train_rows, args.val_rows, args.shaped_prompts)
         return
     if args.cmd == "train" and args.parallel:
         train_parallel(sys.argv[1:], args.domains.split(","), args.out)
@@ -234,8 +285,10 @@ def main() -> None:
         names = DOMAINS if domain == "mixed" else (domain,)
         rows = Rows({c: sum((data[n]["train"][c][: len(data[n]["train"][c]) // len(names)] for n in names), [])
                      for c in ("prompt", "text")})
+        shaped = ({"prompt": sum((data[n]["shaped"]["prompt"] for n in names), [])}
+                  if all("shaped" in data[n] for n in names) else None)
         val = Rows({c: sum((data[n]["validation"][c] for n in names), []) for c in ("prompt", "text")})
-        train_one(domain, rows, val, shape, loaded, args, args.out)
+        train_one(domain, rows, val, shape, loaded, args, args.out, shaped)
 
 
 if __name__ == "__main__":

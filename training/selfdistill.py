@@ -76,12 +76,13 @@ def self_distill(model, tokenizer, domain: str, rows, num_prompts: int, max_new_
 
 def greedy_and_sampled(model, tokenizer, domain: str, rows, num_prompts: int, sampled: int = 0,
                        temperature: float = 0.8, max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0,
-                       progress: bool = True) -> tuple[dict[str, list[int]], list[dict[str, list[int]]]]:
+                       progress: bool = True, max_prompt_tokens: int = 384,
+                       ) -> tuple[dict[str, list[int]], list[dict[str, list[int]]]]:
     """The greedy replies to `num_prompts` prompts, and `sampled` more sets of replies to the same prompts
     sampled at `temperature` (seeds seed + 1, seed + 2, ...): `domain_sequences(..., greedy, sampled)`."""
     if num_prompts <= 0:
         return {}, []  # raw text only
-    kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress)
+    kw = dict(max_new_tokens=max_new_tokens, batch_size=batch_size, progress=progress, max_prompt_tokens=max_prompt_tokens)
     greedy = self_distill(model, tokenizer, domain, rows, num_prompts, seed=seed, **kw)
     more = [self_distill(model, tokenizer, domain, rows, num_prompts, seed=seed + 1 + i, temperature=temperature, **kw)
             for i in range(sampled)]
