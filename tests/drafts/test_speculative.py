@@ -568,14 +568,16 @@ def test_graph_path_with_scattered_rows_equals_plain_decoding(target, mixed):
         assert got[r.request_id] == expected, f"request {i} (draft {names[i % 5]})"
 
 
+@pytest.mark.parametrize("head_vocab", [None, 48], ids=["whole vocabulary", "sub-vocabulary"])
 @pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["unfiltered", "top-p"])
-def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_p, monkeypatch):
+def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_p, head_vocab, monkeypatch):
     """Block == gamma: sampled rows (and a greedy one among them) run the whole round as one graph, with
     the random streams' state as a graph input. The draws come in the general loop's order, so the seeded
-    tokens are the same, and the graph path really ran."""
+    tokens are the same, and the graph path really ran; so too when the draft draws over a sub-vocabulary."""
     params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), temperature=t, top_p=top_p, seed=i)
               for i, t in enumerate((0.8, 1.0, 0.0, 1.3))]
-    draft = noisy(oracle(target), 0.5)  # one draft: every batch takes the one-graph round
+    draft = oracle(target, head_vocab=head_vocab) if head_vocab else oracle(target)
+    draft = noisy(_sub_vocab(draft) if head_vocab else draft, 0.5)  # one draft: every batch takes the one-graph round
     plain = spec_generate(target, draft, SpecConfig(5, 5), params=params)
     captured = []
     real = speculative._captured_round

@@ -73,13 +73,18 @@ def test_adaptive_gamma_graphs_match_plain_decoding(head_vocab):
     assert len({k[3] for k in eng.graphs.graphs if k[0] == "greedy-round"}) == 5
 
 
-@pytest.mark.parametrize("feature", ["none", "deep"])
+@pytest.mark.parametrize("feature", ["none", "deep", "deep, sub-vocabulary"])
 def test_sampled_graphs_match_eager(feature):
     """T=1 rows: the one-graph sampled round (block == gamma) and the multi-step sampled plain decoding
-    draw the same numbers as the eager loop: same seeded tokens, with real CUDA graphs, in fp32."""
+    draw the same numbers as the eager loop: same seeded tokens, with real CUDA graphs, in fp32; a draft
+    scoring a sub-vocabulary draws over it in both."""
     target = tiny_target(torch.float32)
-    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input=feature))
+    sub = feature.endswith("sub-vocabulary")
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied",
+                                           feature_input=feature.split(",")[0], head_vocab=64 if sub else None))
     draft.init_from_target()
+    if sub:
+        draft.set_vocab(torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(3))[:64])
     with torch.no_grad():
         for p in draft.adapters.parameters():
             p.add_(0.2 * torch.randn_like(p))  # some rejections
