@@ -17,7 +17,8 @@ labelled as a projection. Tokens/s count new tokens over wall time, prefill incl
 again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
---gammas 3 adds best-draft rows at fixed gammas (one verify a round); --adaptive-gamma adds rows with
+--gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
+overlapped); --adaptive-gamma adds rows with
 `engine.gamma`'s controller, alone and with the governor, each also overlapped (`DecodeEngine(overlap=True)`;
 each prints the controller's choices and estimates in its log line); the fused rows include plain decoding
 overlapped; --unfused-rows ar leaves only plain decoding unfused (with --fused, the
@@ -630,6 +631,11 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
     rows += [(f"FlashSpec best drafts, gamma {gamma}{suffix}",
               lambda gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma, reference=ref))
              for gamma in bench.args.gammas]
+    if getattr(bench.args, "gammas_overlapped", False):
+        rows += [(f"FlashSpec best drafts, gamma {gamma}, overlapped{suffix}",
+                  lambda gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma, reference=ref,
+                                                       overlap=True))
+                 for gamma in bench.args.gammas]
     if bench.args.adaptive_gamma:
         rows += [(f"FlashSpec best drafts, adaptive gamma{suffix}",
                   lambda: bench.engine_row(*workload, best, block=5, adaptive=True, reference=ref)),
@@ -836,6 +842,8 @@ def main() -> None:
                         help="block sizes of the best-draft rows (the governor row always uses 5)")
     parser.add_argument("--gammas", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="best-draft rows at these fixed gammas too (block = gamma: one verify a round), e.g. 3")
+    parser.add_argument("--gammas-overlapped", action="store_true",
+                        help="each --gammas row again with overlapped calls (DecodeEngine(overlap=True))")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),

@@ -210,3 +210,25 @@ def test_shaped_prompts_are_exactly_the_benchmark_lengths(tiny):
     first = tok(rows[0]["messages"][0]["content"]).input_ids
     assert longs[0][1:21] == first and shorts[0][:2] == [2, first[0]]  # the request leads, then the appended text
     assert longs[0][21:25] == tok(rows[1]["text"]).input_ids[:4]
+
+
+def test_fixed_gamma_rows_also_run_overlapped_on_request(tiny_target):
+    """--gammas 3 --gammas-overlapped: the fixed-gamma row, and its twin with overlapped graph calls."""
+    import argparse
+
+    from bench.gpu import Bench, best_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, gammas=(3,), gammas_overlapped=True,
+                                    adaptive_gamma=False)
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    draft = DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+    draft.init_from_target()
+    rows = dict(best_rows(bench, ([[5, 6, 7]], ["code"], 4, True, 1), {"code": draft}, None, blocks=(5,)))
+    assert list(rows) == ["FlashSpec best drafts, block 5", "FlashSpec best drafts, gamma 3",
+                          "FlashSpec best drafts, gamma 3, overlapped", "FlashSpec best drafts, block 5, governor"]
+    plain, overlapped = rows["FlashSpec best drafts, gamma 3"](), rows["FlashSpec best drafts, gamma 3, overlapped"]()
+    assert not plain.eng.overlap and overlapped.eng.overlap
+    assert overlapped.eng.spec.num_speculative_tokens == 3 == overlapped.eng.spec.block_size
