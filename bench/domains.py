@@ -37,6 +37,13 @@ def domain_matrix(model, tokenizer, drafts: dict, prompts: dict[str, list[list[i
     return table
 
 
+def setup_line(loaded, args, per: str, start: float) -> str:
+    """The run's setup, for the printed table: target, device, decoding settings, prompts `per` ..., seconds."""
+    return (f"setup: target {loaded.name}, device {args.device} ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads), greedy, gamma 5, block 5, bs 1, {args.prompts} {args.split} prompts "
+            f"{per}, {args.tokens} new tokens; {time.perf_counter() - start:.0f}s")
+
+
 def format_table(table: dict[str, dict[str, float]], domains: list[str]) -> str:
     lines = ["draft \\ prompts | " + " | ".join(domains), "---|" + "---|" * len(domains)]
     for name, row in table.items():
@@ -92,9 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
     start = time.perf_counter()
     table = domain_matrix(loaded.model, loaded.tokenizer, drafts, prompts, args.tokens)
-    print(f"setup: target {loaded.name}, device {args.device} ({platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads), greedy, gamma 5, block 5, bs 1, {args.prompts} {args.split} prompts "
-          f"per domain, {args.tokens} new tokens; {time.perf_counter() - start:.0f}s")
+    print(setup_line(loaded, args, "per domain", start))
     print("mean accepted length (tokens per round):")
     print(format_table(table, list(DOMAINS)))
     if args.json:
@@ -119,9 +124,7 @@ def shapes_table(loaded, drafts: dict, prompts: dict[str, list[list[int]]], args
             report = evaluate_draft(loaded.model, loaded.tokenizer, drafts[domain], ids, args.tokens, 5, blocks=(5,),
                                     include_ar=False, quality=False)
             table[domain][shape] = (report["mean_accepted_length"], len(ids), round(sum(map(len, ids)) / len(ids)))
-    print(f"setup: target {loaded.name}, device {args.device} ({platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads), greedy, gamma 5, block 5, bs 1, {args.prompts} {args.split} prompts "
-          f"per domain and shape, {args.tokens} new tokens; {time.perf_counter() - start:.0f}s")
+    print(setup_line(loaded, args, "per domain and shape", start))
     print("mean accepted length of each domain's draft (prompts, mean prompt tokens):")
     print("draft | as trained | long 512 | short 32\n---|---|---|---|")
     for domain, row in table.items():

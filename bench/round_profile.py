@@ -134,6 +134,17 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
         print(json.dumps(row), flush=True)
 
 
+def timed_generate(eng, prompts, params, drafts) -> tuple[list, float]:
+    """`engine.generate.generate` between two device syncs: (its results, wall seconds)."""
+    from engine.generate import generate
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = generate(eng, prompts, params, drafts)
+    torch.cuda.synchronize()
+    return outs, time.perf_counter() - t0
+
+
 def synced_ms(graph, iters: int = 100) -> tuple[float, float]:
     """ms per replay the engine's way (replay, then wait for it before the next: nothing overlaps the launch),
     and ms the host spends inside `replay()` itself. `graph_ms` replays back to back, the host launching the
@@ -305,11 +316,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         for step in eng.graphs.graphs.values():
             step.calls = 0
         captured = eng.graphs.captures
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        outs = generate(eng, prompts, params, names)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        outs, wall = timed_generate(eng, prompts, params, names)
         rows = []
         for key, step in eng.graphs.graphs.items():
             if not step.calls or step.graph is None:
@@ -346,7 +353,6 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
     refill at scattered slots, and one-draft batches) and counts the graphs it still captures."""
     from bench.gpu import pick_prompts
     from engine.gamma import GammaController
-    from engine.generate import generate
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
@@ -374,11 +380,7 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
             params = [SamplingParams(max_new_tokens=128 + 16 * (i % 5), eos_token_ids=(), seed=i, **kind)
                       for i in range(len(prompts))]
             before = eng.graphs.captures
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            outs = generate(eng, prompts, params, rows)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+            outs, wall = timed_generate(eng, prompts, params, rows)
             tokens = sum(len(o.token_ids) for o in outs)
             print(json.dumps({"traffic": f"{label}, {mix}", "requests": len(prompts), "tokens": tokens,
                               "tps": round(tokens / wall, 1), "captured": eng.graphs.captures - before}), flush=True)

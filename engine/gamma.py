@@ -57,6 +57,11 @@ class _Cost:
         self.seconds += max(alpha, 1.0 / self.count) * (seconds - self.seconds)
 
 
+def _on_line(line: tuple[float, float], gamma: int) -> float:
+    """Seconds at gamma on a fitted (intercept, slope) cost line, kept positive."""
+    return max(line[0] + line[1] * gamma, 1e-9)
+
+
 class GammaController:
     def __init__(self, max_gamma: int, enabled: bool = True, alpha: float = 0.01, cost_alpha: float = 0.05,
                  min_rounds: int = 2, explore_every: int = 16, min_gamma: int = 1, prior: float = 0.5,
@@ -117,7 +122,7 @@ class GammaController:
         seconds (weighted by their sample counts, up to 1/cost_alpha); None before any sample. With one
         gamma measured, its own average."""
         line = self._cost_line(key)
-        return None if line is None else max(line[0] + line[1] * gamma, 1e-9)
+        return None if line is None else _on_line(line, gamma)
 
     def _cost_line(self, key: tuple) -> tuple[float, float] | None:
         """(intercept, slope) of `cost`'s line for this key; slope 0 with one gamma measured."""
@@ -154,8 +159,8 @@ class GammaController:
             elif n % self.explore_every == self.explore_every - 1:
                 gamma = cycle[(n // self.explore_every) % len(cycle)]
             else:  # the fitted line and each draft's survival once per choice, not once per gamma
-                expected, (a, b) = self._expected_by_gamma(drafts), self._cost_line(key)
-                gamma = max(cycle, key=lambda g: expected[g - 1] / max(a + b * g, 1e-9))
+                expected, line = self._expected_by_gamma(drafts), self._cost_line(key)
+                gamma = max(cycle, key=lambda g: expected[g - 1] / _on_line(line, g))
             self.chosen[gamma] = self.chosen.get(gamma, 0) + 1
             return gamma
 

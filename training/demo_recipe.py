@@ -62,6 +62,11 @@ def export(out: Path, train_rows: int, val_rows: int, shaped: int = 0) -> None:
     from training.corpora import load_domain
 
     out.mkdir(parents=True, exist_ok=True)
+    tok = None
+    if shaped:
+        from engine.loading import load_tokenizer
+
+        tok = load_tokenizer("default")
     for domain in DOMAINS:
         data = {}
         for split, n in (("train", train_rows), ("validation", val_rows)):
@@ -69,20 +74,18 @@ def export(out: Path, train_rows: int, val_rows: int, shaped: int = 0) -> None:
             ds = ds.shuffle(seed=0).select(range(min(n, len(ds))))
             data[split] = {"prompt": list(ds["prompt"]), "text": list(ds["text"])}
         if shaped:
-            data["shaped"] = shaped_export(domain, shaped)
+            data["shaped"] = shaped_export(tok, domain, shaped)
         with gzip.open(out / f"{domain}.json.gz", "wt") as f:
             json.dump(data, f)
         print(domain, {k: len(v["prompt"]) for k, v in data.items()})
 
 
-def shaped_export(domain: str, n: int) -> dict[str, list[str]]:
+def shaped_export(tok, domain: str, n: int) -> dict[str, list[str]]:
     """n templated training prompts of each benchmark shape (train split, shuffled with another seed than
     the rows above), as text: {"prompt": [...], "shape": ["long" | "short", ...]}."""
     from bench.export_prompts import shaped_prompts
-    from engine.loading import load_tokenizer
     from training.corpora import load_domain
 
-    tok = load_tokenizer("default")
     ds = load_domain(domain, "train").shuffle(seed=1)
     longs, shorts = shaped_prompts(tok, list(ds.select(range(min(len(ds), 4 * n)))), n)
     return {"prompt": [tok.decode(ids) for ids in longs + shorts], "shape": ["long"] * len(longs) + ["short"] * len(shorts)}
