@@ -268,12 +268,15 @@ def train_draft(
     activate: Annotated[bool, typer.Option(help="Activate the new version when the gate passes.")] = True,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (checkpoints, log, eval); default: $FLASHSPEC_HOME/runs/<domain>.")] = None,
     resume: Annotated[bool, typer.Option(help="Resume from the run folder's checkpoint when present.")] = True,
+    init_from: Annotated[Optional[Path], typer.Option(
+        help="Fine-tune a trained draft (a version folder, or a domain folder's ACTIVE one) instead of starting "
+             "fresh adapters; its shape is kept and the shape options are not used.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads.")] = None,
 ) -> None:
     """Train a domain draft, evaluate it with the real decoder, publish it to the store, activate it if the gate passes."""
-    from training.distill import TrainConfig, check_train_domain, layer_list
+    from training.distill import TrainConfig, check_train_domain, draft_shape, init_folder, layer_list
     from training.pipeline import run_pipeline
 
     _threads(threads)
@@ -282,9 +285,14 @@ def train_draft(
         from engine.loading import flashspec_home
 
         run_dir = out or flashspec_home() / "runs" / domain
+        shape = dict(shared_layers=shared_layers, adapter_layers=adapter_layers, head=head, feature_input=feature_input,
+                     head_vocab=head_vocab or None, feature_layers=layer_list(feature_layers))
+        if init_from is not None:
+            init_from = init_folder(init_from)
+            shape = draft_shape(init_from)
+            typer.echo(f"init-from {init_from}: fine-tuning a {shape} draft")
         cfg = TrainConfig(
-            domain=domain, shared_layers=shared_layers, adapter_layers=adapter_layers, head=head,
-            feature_input=feature_input, head_vocab=head_vocab or None, feature_layers=layer_list(feature_layers),
+            domain=domain, **shape, init_from=str(init_from) if init_from else None,
             steps=steps, max_seconds=max_seconds,
             batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,

@@ -256,6 +256,9 @@ def main() -> None:
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)
     t.add_argument("--eval-prompt-tokens", type=int, default=512)
+    t.add_argument("--init-from", type=Path, default=None,
+                   help="a draft store (<domain>/ACTIVE, e.g. drafts/demo): fine-tune each domain's active draft, "
+                        "keeping its shape and sub-vocabulary, instead of training new adapters")
     t.add_argument("--shaped-prompts", action="store_true",
                    help="self-distill and train on the exported benchmark-shaped prompts too (export --shaped-prompts)")
     m = sub.add_parser("matrix", help="domain matrix of the trained drafts on held-out prompts of each domain")
@@ -283,6 +286,8 @@ def main() -> None:
         from training.distill import layer_list
 
         shape = {**shape, "feature_layers": layer_list(args.feature_layers)}
+    if args.init_from is not None and "mixed" in args.domains.split(","):
+        raise SystemExit("--init-from fine-tunes the routed domains' drafts; train 'mixed' without it")
     data = {d: json.load(gzip.open(args.data / f"{d}.json.gz", "rt")) for d in DOMAINS}
     for domain in args.domains.split(","):
         names = DOMAINS if domain == "mixed" else (domain,)
@@ -291,7 +296,13 @@ def main() -> None:
         shaped = ({"prompt": sum((data[n]["shaped"]["prompt"] for n in names), [])}
                   if all("shaped" in data[n] for n in names) else None)
         val = Rows({c: sum((data[n]["validation"][c] for n in names), []) for c in ("prompt", "text")})
-        train_one(domain, rows, val, shape, loaded, args, args.out, shaped)
+        here = shape
+        if args.init_from is not None:  # fine-tune that store's draft of this domain, in its own shape
+            from training.distill import draft_shape, init_folder
+
+            folder = init_folder(args.init_from / domain)
+            here = {**draft_shape(folder), "init_from": str(folder)}
+        train_one(domain, rows, val, here, loaded, args, args.out, shaped)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ class TrainConfig(BaseModel):
     feature_layers: list[int] = Field(default_factory=list, description="Deep drafts: target layer counts (between N "
                                       "and L) whose states at the previous position are fused in beside the final one.")
     init_from_target: bool = Field(True, description="Adapters start as copies of target layers [N, N+A).")
+    init_from: Optional[str] = Field(None, description="Fine-tune: start from this draft checkpoint folder (its "
+                                     "weights and sub-vocabulary) instead of fresh adapters; the shape must match it.")
     # Optimisation.
     steps: int = Field(300, ge=1, description="Optimizer steps.")
     max_seconds: Optional[float] = Field(None, gt=0, description="Wall-clock budget of the loop: the schedule "
@@ -436,6 +438,50 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+SHAPE_KEYS = ("shared_layers", "adapter_layers", "head", "feature_input", "head_vocab", "feature_layers")
+
+
+def init_folder(path: str | Path) -> Path:
+    """A draft version folder from `--init-from`: the folder itself, or a domain folder's ACTIVE version."""
+    folder = Path(path)
+    active = folder / "ACTIVE"
+    if active.is_file():
+        return folder / active.read_text().strip()
+    return folder
+
+
+def draft_shape(folder: str | Path) -> dict:
+    """The TrainConfig shape fields of a saved draft (its manifest's draft_config): what `--init-from` keeps."""
+    from drafts.checkpoint import DraftLoadError, read_manifest
+    from drafts.config import DraftConfig
+
+    try:
+        config = DraftConfig.from_dict(read_manifest(Path(folder))["draft_config"])
+    except (DraftLoadError, KeyError, TypeError, ValueError) as exc:
+        raise TrainError(f"--init-from {folder}: not a draft checkpoint folder ({exc}); name a version folder "
+                         "with manifest.json and draft.safetensors (e.g. <store>/code/<version>)") from exc
+    return {k: list(v) if k == "feature_layers" else v for k, v in vars(config).items() if k in SHAPE_KEYS}
+
+
+def warm_start(cfg: TrainConfig, target: Transformer) -> dict[str, torch.Tensor]:
+    """The weights of the draft `cfg.init_from` names (checked like a served draft: sha256, target fingerprint,
+    tensor shapes), as a state dict for a draft of `cfg`'s shape; TrainError when it is another shape."""
+    from drafts.checkpoint import DraftLoadError, load_draft
+
+    try:
+        start = load_draft(cfg.init_from, target)
+    except DraftLoadError as exc:
+        raise TrainError(f"--init-from: {exc}") from exc
+    want = cfg.draft_config().resolve(target.args.num_layers)
+    diff = {k: (getattr(start.config, k), getattr(want, k)) for k in SHAPE_KEYS
+            if getattr(start.config, k) != getattr(want, k)}
+    if diff:
+        shown = ", ".join(f"{k}: draft {a!r} vs options {b!r}" for k, (a, b) in diff.items())
+        raise TrainError(f"--init-from {cfg.init_from} is a draft of another shape ({shown}); train with its shape "
+                         "(training.distill.draft_shape reads it), or leave out --init-from to train a new draft")
+    return {k: v.detach().float() if v.is_floating_point() else v for k, v in start.state_dict().items()}
+
+
 _RESUME_KEYS = ("domain", "shared_layers", "adapter_layers", "head", "feature_input", "feature_layers", "head_vocab", "batch_size",
                 "grad_accum", "seq_len", "seed", "rollout_steps")
 
@@ -474,12 +520,17 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     ckpt_path = out_dir / "ckpt" / "state.pt"
     fingerprint = target_fingerprint(target)
     state = _load_checkpoint(ckpt_path, cfg, fingerprint) if cfg.resume and ckpt_path.is_file() else None
+    start = warm_start(cfg, target) if cfg.init_from and state is None else None  # a resume keeps its own weights
+    if start is not None:
+        vocab_ids = start.get("vocab_ids")  # the draft's own sub-vocabulary, not one counted from this data
     if cfg.head_vocab and vocab_ids is None:
         specials = [target.args.bos_token_id, *target.args.eos_token_ids]
         vocab_ids = frequent_vocab(train_data, cfg.head_vocab, target.args.vocab_size, specials)
     if state is not None:
         vocab_ids = state["draft"].get("vocab_ids")
     draft = build_draft(target, cfg, vocab_ids)
+    if start is not None:
+        draft.load_state_dict(start)  # into the fp32 master weights
     optimizer = torch.optim.AdamW(_param_groups(draft, cfg), betas=(0.9, 0.95))
     resumed_seconds, started = 0.0, time.perf_counter()  # loop time of the runs before a resume; this run's start
 

@@ -111,7 +111,7 @@ def test_chunk_code_sizes_and_boundaries() -> None:
 
 def test_chunk_rst_titles_and_limits() -> None:
     body = "\n\n".join(f"Paragraph {i} " + "word " * 60 for i in range(30))
-    text = f"Guide\n=====\n\nIntro text " + "x " * 300 + f"\n\nDetails\n-------\n\n{body}\n"
+    text = "Guide\n=====\n\nIntro text " + "x " * 300 + f"\n\nDetails\n-------\n\n{body}\n"
     chunks = sources.chunk_rst(text, target=1000, max_chars=2000)
     assert chunks[0].title == "Guide"
     assert {c.title for c in chunks[1:]} == {"Details"}

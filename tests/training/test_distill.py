@@ -8,7 +8,6 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from drafts.model import DraftModel
 from engine.config import ModelArgs
 from engine.generate import generate
 from engine.model import Transformer
@@ -176,6 +175,50 @@ def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
     assert fresh.step == 1
 
 
+def test_fine_tuning_starts_from_the_saved_draft_and_keeps_its_sub_vocabulary(tmp_path, setup):
+    """--init-from: the run starts from the saved (fp16) weights and the draft's own sub-vocabulary, not one
+    counted from the new data, so a fine-tune begins where the draft left off, far below a fresh start."""
+    from drafts.checkpoint import save_draft
+
+    target, prompts, data = setup
+    trained = train(config(tmp_path / "a"), target, data, progress=False)
+    folder = save_draft(trained.draft, tmp_path / "store" / "code" / "v1", "code", "v1")
+    (tmp_path / "store" / "code" / "ACTIVE").write_text("v1\n")
+    saved = {k: v.half().float() if v.is_floating_point() else v for k, v in trained.draft.state_dict().items()}
+    other_vocab = torch.arange(64) + 100  # what counting the new data might give: must not replace the draft's
+
+    frozen = train(config(tmp_path / "b", steps=1, lr_adapters=1e-12, lr_head=1e-12, init_from=str(folder)),
+                   target, data, vocab_ids=other_vocab, progress=False)
+    for name, value in frozen.draft.state_dict().items():
+        assert torch.allclose(value.float(), saved[name].float(), atol=1e-6), name
+    assert torch.equal(frozen.draft.vocab_ids, trained.draft.vocab_ids)
+
+    fresh = train(config(tmp_path / "c", steps=1), target, data, progress=False)
+    tuned = train(config(tmp_path / "d", steps=1, init_from=str(folder)), target, data, progress=False)
+    assert tuned.history[0]["loss"] < 0.7 * fresh.history[0]["loss"]
+    assert acceptance(target, tuned.draft, prompts[:4]) > acceptance(target, fresh.draft, prompts[:4])
+
+    # A domain folder names its ACTIVE version; draft_shape reads the shape to train with.
+    assert distill.init_folder(tmp_path / "store" / "code") == folder and distill.init_folder(folder) == folder
+    assert distill.draft_shape(folder) == {"shared_layers": 1, "adapter_layers": 1, "head": "mlp_tied",
+                                           "feature_input": "deep", "head_vocab": 64, "feature_layers": []}
+
+
+def test_fine_tuning_refuses_a_draft_of_another_shape_target_or_no_draft(tmp_path, setup):
+    from drafts.checkpoint import save_draft
+
+    target, _, data = setup
+    folder = save_draft(build_draft(target, config(tmp_path), torch.arange(64)), tmp_path / "v1", "code", "v1")
+    with pytest.raises(TrainError, match=r"another shape \(adapter_layers: draft 1 vs options 2\)"):
+        train(config(tmp_path / "a", adapter_layers=2, init_from=str(folder)), target, data, progress=False)
+    with pytest.raises(TrainError, match="--init-from: .*another target"):
+        train(config(tmp_path / "b", init_from=str(folder)), tiny_target(seed=5), data, progress=False)
+    with pytest.raises(TrainError, match="--init-from: .*not a draft checkpoint folder"):
+        train(config(tmp_path / "c", init_from=str(tmp_path / "nothing")), target, data, progress=False)
+    with pytest.raises(TrainError, match="not a draft checkpoint folder"):
+        distill.draft_shape(tmp_path / "nothing")
+
+
 def test_sub_vocabulary_is_the_most_frequent_tokens_plus_specials():
     data = TokenData([[5, 5, 5, 7, 7, 9], [7, 5, 3]], [[1.0] * 6, [1.0] * 3])
     vocab = frequent_vocab(data, 3, 256, special_ids=[1])
@@ -269,3 +312,6 @@ def test_train_draft_cli_refuses_bad_input_before_training(tmp_path, monkeypatch
     assert res.exit_code == 1 and "steps" in res.output
     res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--feature-layers", "ten", "--store", str(tmp_path / "s")])
     assert res.exit_code == 1 and "--feature-layers takes a comma list of integers" in res.output
+    res = runner.invoke(cli_app(), ["train-draft", "--domain", "code", "--init-from", str(tmp_path / "none"),
+                                    "--store", str(tmp_path / "s")])
+    assert res.exit_code == 1 and "--init-from" in res.output and "not a draft checkpoint folder" in res.output
