@@ -16,6 +16,9 @@ appended to 512 tokens, the request cut to 32); `train --shaped-prompts` adds th
 prompts (their greedy and sampled replies are the sequences; raise `--seq-len` above 512 + the reply
 length, or the long ones keep only their last tokens). The shipped drafts never saw either shape, and
 accept 1.7-1.8 tokens a round on cut requests (bench/RESULTS.md).
+
+`train --init-from STORE` fine-tunes each domain's active draft of STORE (e.g. drafts/demo) instead of
+training new adapters: its shape and sub-vocabulary are kept (`training.distill.warm_start`).
 """
 
 from __future__ import annotations
@@ -101,6 +104,17 @@ def with_shaped(rows: Rows, shaped: dict | None, replies: dict, sampled: list[di
     merged = Rows({"prompt": list(rows["prompt"]) + prompts, "text": list(rows["text"]) + [""] * len(prompts)})
     more = [{**a, **b} for a, b in zip(sampled, shaped_sampled)] if shaped_sampled else sampled
     return merged, {**replies, **shaped_replies}, more
+
+
+def start_shape(shape: dict, init_from: Path | None, domain: str) -> dict:
+    """The TrainConfig shape fields of a domain's run: `shape`, or with `--init-from STORE` the shape of that
+    store's active draft of the domain plus `init_from` (the run fine-tunes it)."""
+    if init_from is None:
+        return shape
+    from training.distill import draft_shape, init_folder
+
+    folder = init_folder(init_from / domain)
+    return {**draft_shape(folder), "init_from": str(folder)}
 
 
 def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args, out: Path,
@@ -296,13 +310,7 @@ def main() -> None:
         shaped = ({"prompt": sum((data[n]["shaped"]["prompt"] for n in names), [])}
                   if all("shaped" in data[n] for n in names) else None)
         val = Rows({c: sum((data[n]["validation"][c] for n in names), []) for c in ("prompt", "text")})
-        here = shape
-        if args.init_from is not None:  # fine-tune that store's draft of this domain, in its own shape
-            from training.distill import draft_shape, init_folder
-
-            folder = init_folder(args.init_from / domain)
-            here = {**draft_shape(folder), "init_from": str(folder)}
-        train_one(domain, rows, val, here, loaded, args, args.out, shaped)
+        train_one(domain, rows, val, start_shape(shape, args.init_from, domain), loaded, args, args.out, shaped)
 
 
 if __name__ == "__main__":
