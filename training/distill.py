@@ -482,8 +482,7 @@ def warm_start(cfg: TrainConfig, target: Transformer) -> dict[str, torch.Tensor]
     return {k: v.detach().float() if v.is_floating_point() else v for k, v in start.state_dict().items()}
 
 
-_RESUME_KEYS = ("domain", "shared_layers", "adapter_layers", "head", "feature_input", "feature_layers", "head_vocab", "batch_size",
-                "grad_accum", "seq_len", "seed", "rollout_steps")
+_RESUME_KEYS = ("domain", *SHAPE_KEYS, "batch_size", "grad_accum", "seq_len", "seed", "rollout_steps")
 
 
 def _load_checkpoint(path: Path, cfg: TrainConfig, fingerprint: str) -> dict:
