@@ -245,6 +245,8 @@ def train_draft(
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps.")] = 20,
     ce_weight: Annotated[float, typer.Option(help="Cross-entropy weight (0: pure KL to the target).")] = 0.0,
     rollout_steps: Annotated[int, typer.Option(help="Draft passes per batch for deep drafts (1-3).")] = 2,
+    group_by_length: Annotated[bool, typer.Option(
+        help="Batch sequences of about one length (less padding); --no-group-by-length: uniformly random batches.")] = True,
     teacher_cache_gb: Annotated[float, typer.Option(
         help="Keep the target's hidden states of the training set in device memory up to this size (0: off).")] = 8.0,
     shared_layers: Annotated[int, typer.Option(help="N: target layers shared as the trunk.")] = 3,
@@ -296,7 +298,7 @@ def train_draft(
             steps=steps, max_seconds=max_seconds,
             batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,
-            ce_weight=ce_weight, rollout_steps=rollout_steps, teacher_cache_gb=teacher_cache_gb, seed=seed, device=device, out_dir=str(run_dir),
+            ce_weight=ce_weight, rollout_steps=rollout_steps, group_by_length=group_by_length, teacher_cache_gb=teacher_cache_gb, seed=seed, device=device, out_dir=str(run_dir),
             resume=resume, eval_every=max(1, min(100, steps)), save_every=max(1, min(100, steps)),
         )
         run_pipeline(cfg, target=target, store=store, data_dir=data_dir, dataset=dataset, text_field=text_field,

@@ -151,7 +151,8 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
                       lr_adapters=args.lr_adapters, lr_head=args.lr_head, warmup_steps=args.steps // 20,
                       eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
                       max_seconds=max_seconds, teacher_cache_gb=args.teacher_cache_gb,
-                      out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False, **shape)
+                      out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False,
+                      group_by_length=args.group_by_length, **shape)
     data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
     vocab_ids = None
@@ -270,6 +271,8 @@ def main() -> None:
     t.add_argument("--eval-prompts", type=int, default=16)
     t.add_argument("--eval-tokens", type=int, default=96)
     t.add_argument("--eval-prompt-tokens", type=int, default=512)
+    t.add_argument("--no-group-by-length", dest="group_by_length", action="store_false",
+                   help="uniformly random batches (the shipped v8 drafts' order) instead of batches of about one length")
     t.add_argument("--init-from", type=Path, default=None,
                    help="a draft store (<domain>/ACTIVE, e.g. drafts/demo): fine-tune each domain's active draft, "
                         "keeping its shape and sub-vocabulary, instead of training new adapters")

@@ -86,6 +86,8 @@ class TrainConfig(BaseModel):
     eval_every: int = Field(100, ge=1, description="Held-out loss and top-1 agreement every this many steps.")
     eval_batches: int = Field(4, ge=1, description="Validation micro-batches per evaluation.")
     save_every: int = Field(100, ge=1, description="Checkpoint (for resume) every this many steps.")
+    group_by_length: bool = Field(True, description="Micro-batches of sequences of about one length (each epoch's "
+                                  "order sorted by length in chunks of 64 batches): less padding, more steps a second.")
     seed: int = Field(0, description="Seed of the initialisation and the data order.")
     device: str = Field("cpu", description="cpu or cuda.")
     out_dir: str = Field(description="Run folder: ckpt/ (resume state), final/ (draft), train_log.jsonl.")
@@ -200,18 +202,33 @@ def _batch(data: TokenData, indices, device) -> tuple[torch.Tensor, torch.Tensor
 
 
 class _Order:
-    """Seeded, resumable data order: micro-batch g of the run is always the same indices."""
+    """Seeded, resumable data order: micro-batch g of the run is always the same indices.
 
-    def __init__(self, n: int, batch_size: int, seed: int) -> None:
+    With `lengths`, each epoch's shuffled order is cut into chunks of `group` micro-batches and each chunk
+    sorted longest first, so a micro-batch holds sequences of about one length: a batch is padded to its
+    longest sequence, and a random batch of a set mixing 700-token and 200-token sequences nearly always
+    holds a long one. Which sequences meet in a chunk, and the chunks' order, stay random."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, lengths: list[int] | None = None, group: int = 64) -> None:
         self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.group = group
         self._perms: dict[int, np.ndarray] = {}
+
+    def epoch(self, epoch: int) -> np.ndarray:
+        perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        if self.lengths is None:
+            return perm
+        size = self.batch_size * self.group
+        return np.concatenate([c[np.argsort(-self.lengths[c], kind="stable")]
+                               for c in (perm[i : i + size] for i in range(0, self.n, size))])
 
     def indices(self, g: int) -> list[int]:
         out = []
         for i in range(g * self.batch_size, (g + 1) * self.batch_size):
             epoch, pos = divmod(i, self.n)
             if epoch not in self._perms:
-                self._perms = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.n)}
+                self._perms = {epoch: self.epoch(epoch)}
             out.append(int(self._perms[epoch][pos]))
         return out
 
@@ -482,7 +499,7 @@ def warm_start(cfg: TrainConfig, target: Transformer) -> dict[str, torch.Tensor]
     return {k: v.detach().float() if v.is_floating_point() else v for k, v in start.state_dict().items()}
 
 
-_RESUME_KEYS = ("domain", *SHAPE_KEYS, "batch_size", "grad_accum", "seq_len", "seed", "rollout_steps")
+_RESUME_KEYS = ("domain", *SHAPE_KEYS, "batch_size", "grad_accum", "seq_len", "seed", "rollout_steps", "group_by_length")
 
 
 def _load_checkpoint(path: Path, cfg: TrainConfig, fingerprint: str) -> dict:
@@ -491,7 +508,7 @@ def _load_checkpoint(path: Path, cfg: TrainConfig, fingerprint: str) -> dict:
         raise TrainError(f"{path} was written for another target (fingerprint {state['fingerprint'][:12]}, this target "
                          f"{fingerprint[:12]}); resume with the same --target, or start over with a new --out or --no-resume")
     saved = state["config"]
-    saved = {"feature_layers": [], **saved}  # checkpoints from before feature_layers existed had none
+    saved = {"feature_layers": [], "group_by_length": False, **saved}  # what checkpoints from before these options had
     diff = {k: (saved.get(k), getattr(cfg, k)) for k in _RESUME_KEYS if saved.get(k) != getattr(cfg, k)}
     if diff:
         shown = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
@@ -546,7 +563,8 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         _set_rng_state(state["rng"])
         step, history = state["step"], state["history"]
         resumed_seconds = state.get("elapsed", 0.0)
-    order = _Order(len(train_data), cfg.batch_size, cfg.seed)
+    order = _Order(len(train_data), cfg.batch_size, cfg.seed,
+                   lengths=[len(s) for s in train_data.sequences] if cfg.group_by_length else None)
     log_file = out_dir / "train_log.jsonl"
     started = time.perf_counter()  # the teacher cache is built on the loop's clock
     teacher = None

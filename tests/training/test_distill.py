@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datasets
+import numpy as np
 import pytest
 import torch
 import typer
@@ -171,6 +172,8 @@ def test_resume_refuses_another_target_or_other_settings(tmp_path, setup):
         train(config(tmp_path, steps=4, seq_len=32), target, data, progress=False)
     with pytest.raises(TrainError, match=r"feature_layers: checkpoint \[\] vs now \[2\]"):
         train(config(tmp_path, steps=4, feature_layers=[2]), target, data, progress=False)
+    with pytest.raises(TrainError, match="group_by_length: checkpoint True vs now False"):
+        train(config(tmp_path, steps=4, group_by_length=False), target, data, progress=False)
     fresh = train(config(tmp_path, steps=1, seq_len=32, resume=False), target, data, progress=False)
     assert fresh.step == 1
 
@@ -217,6 +220,28 @@ def test_fine_tuning_refuses_a_draft_of_another_shape_target_or_no_draft(tmp_pat
         train(config(tmp_path / "c", init_from=str(tmp_path / "nothing")), target, data, progress=False)
     with pytest.raises(TrainError, match="not a draft checkpoint folder"):
         distill.draft_shape(tmp_path / "nothing")
+
+
+def test_length_grouped_batches_pad_less_and_keep_a_seeded_random_order():
+    """Each epoch is still a seeded permutation; chunks of 4 batches hold the same sequences as the plain order's
+    chunks, sorted longest first, so a batch pads to far fewer tokens on data mixing long and short sequences."""
+    rng = np.random.default_rng(0)
+    lengths = np.where(rng.random(1000) < 0.2, 700, rng.integers(100, 300, 1000))
+    plain, grouped = distill._Order(1000, 32, seed=3), distill._Order(1000, 32, seed=3, lengths=lengths, group=4)
+    for epoch in (0, 1):
+        a, b = plain.epoch(epoch), grouped.epoch(epoch)
+        assert sorted(b) == list(range(1000))
+        for i in range(0, 1000, 128):
+            assert set(a[i : i + 128]) == set(b[i : i + 128])
+            assert (np.diff(lengths[b[i : i + 128]]) <= 0).all()
+    assert not np.array_equal(grouped.epoch(0), grouped.epoch(1))
+    assert np.array_equal(grouped.epoch(0), distill._Order(1000, 32, 3, lengths=lengths, group=4).epoch(0))
+
+    def padded(order):  # tokens a micro-batch pads to, over two epochs
+        return sum(32 * max(lengths[order.indices(g)]) for g in range(2 * 1000 // 32))
+
+    assert padded(grouped) < 0.7 * padded(plain)
+    assert padded(grouped) < 1.3 * 2 * lengths.sum()  # close to the tokens there are
 
 
 def test_sub_vocabulary_is_the_most_frequent_tokens_plus_specials():
