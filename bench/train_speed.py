@@ -12,6 +12,8 @@ of the demo draft shape, the first setting first:
 - `--compare grouping`: uniformly random batches / batches of about one length (`group_by_length`), with
   `--teacher-cache-gb` (default 8). Also prints the tokens the batches were padded to.
 The first run also pays the warm-up. Peak memory is the process's peak so far (CUDA).
+`--padding-only` trains nothing: the tokens one epoch's batches pad to, random and grouped, against the
+tokens there are (the same orders `train()` uses, seed 0).
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from pathlib import Path
 import torch
 
 SETTINGS = {"cache": ("teacher_cache_gb", (0.0, 8.0)), "grouping": ("group_by_length", (False, True))}
+
+
+def padded_tokens(order, lengths: list[int], batches: int) -> int:
+    """Tokens the first `batches` micro-batches of `order` pad to (each to its longest sequence)."""
+    return sum(order.batch_size * max(lengths[i] for i in order.indices(g)) for g in range(batches))
 
 
 def main() -> None:
@@ -45,9 +52,16 @@ def main() -> None:
     parser.add_argument("--shaped", action="store_true", help="add the exported benchmark-shaped prompts")
     parser.add_argument("--teacher-cache-gb", type=float, default=8.0, help="with --compare grouping")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--padding-only", action="store_true", help="print one epoch's padded tokens; no training")
     args = parser.parse_args()
     cuda = args.device == "cuda"
-    loaded = load_model("default", device=args.device, dtype="bfloat16" if cuda else "float32")
+    if args.padding_only:
+        from engine.loading import load_tokenizer
+
+        tokenizer = load_tokenizer("default")
+    else:
+        loaded = load_model("default", device=args.device, dtype="bfloat16" if cuda else "float32")
+        tokenizer = loaded.tokenizer
     exported = json.load(gzip.open(args.data / f"{args.domain}.json.gz", "rt"))
     rows = Rows({k: v[: args.max_rows] for k, v in exported["train"].items()})
     if args.shaped:
@@ -57,8 +71,16 @@ def main() -> None:
         shaped = exported["shaped"]["prompt"]  # long ones first, then short: an even sample keeps the mix
         shaped = shaped[:: max(1, len(shaped) // args.max_rows)] if args.max_rows else shaped
         rows = Rows({"prompt": list(rows["prompt"]) + shaped, "text": list(rows["text"]) + [""] * len(shaped)})
-    data = domain_sequences(rows, loaded.tokenizer, args.seq_len, 0.5)
+    data = domain_sequences(rows, tokenizer, args.seq_len, 0.5)
     lengths = [len(s) for s in data.sequences]
+    if args.padding_only:
+        epoch = len(lengths) // args.batch_size
+        rand, grouped = (padded_tokens(_Order(len(lengths), args.batch_size, 0, lengths=by), lengths, epoch)
+                         for by in (None, lengths))
+        print(f"{args.domain}: {len(lengths)} sequences, {sum(lengths)} tokens; seq-len {args.seq_len}, batch "
+              f"{args.batch_size}, {epoch} batches: padded to {rand} random, {grouped} grouped ({grouped / rand:.3f}x; "
+              f"the tokens there are / grouped {sum(lengths) / grouped:.3f})")
+        return
     print(f"{len(data)} sequences, {sum(lengths)} tokens, cache {TeacherCache.size_gb(loaded.model, data):.2f} GB; "
           f"compare {args.compare}; batch {args.batch_size}, seq-len {args.seq_len}, device {args.device}", flush=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -68,8 +90,8 @@ def main() -> None:
         setting = {field: value}
         if args.compare == "grouping":
             setting["teacher_cache_gb"] = args.teacher_cache_gb
-            order = _Order(len(data), args.batch_size, 0, lengths=lengths if value else None)
-            padded = sum(args.batch_size * max(lengths[i] for i in order.indices(g)) for g in range(args.steps))
+            padded = padded_tokens(_Order(len(data), args.batch_size, 0, lengths=lengths if value else None),
+                                   lengths, args.steps)
         with tempfile.TemporaryDirectory() as tmp:
             cfg = TrainConfig(domain=args.domain, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                               lr_adapters=3e-4, lr_head=6e-4, warmup_steps=20, eval_every=10**6, save_every=10**6,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from drafts.config import DraftConfig
 from engine import cpu_linear
 from engine.model import DecoderLayer, RMSNorm, StepContext, Transformer
+from engine.speculative import full_vocab_scores
 from engine.triton_kernels import argmax
 
 
@@ -147,15 +148,9 @@ class DraftModel(nn.Module):
         """(..., H) -> (..., K) scores over `vocab_ids` (or (..., V) without a sub-vocabulary)."""
         return self.head(self._norm(hidden), self.target.lm_head, self.vocab_ids)
 
-    def _full_logits(self, scores: torch.Tensor) -> torch.Tensor:
-        if self.vocab_ids is None:
-            return scores
-        full = scores.new_full((*scores.shape[:-1], self.target.args.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.vocab_ids, scores)
-
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(b, H) -> (b, V) logits; tokens outside the sub-vocabulary get -inf (never drafted)."""
-        return self._full_logits(self.head_scores(hidden))
+        return full_vocab_scores(self, self.head_scores(hidden), self.target.args.vocab_size)
 
     def proxy_feature(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._norm(hidden)

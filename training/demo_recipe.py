@@ -156,7 +156,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
     data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
     vocab_ids = None
-    if cfg.head_vocab:
+    if cfg.head_vocab and not cfg.init_from:  # a fine-tune keeps its draft's own
         vocab_ids = frequent_vocab(data, cfg.head_vocab, loaded.args.vocab_size,
                                    [*tok.all_special_ids, *loaded.args.eos_token_ids])
     t1 = time.perf_counter()

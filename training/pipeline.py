@@ -67,7 +67,7 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
     train_data = domain_sequences(train_rows, tokenizer, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val_rows, tokenizer, cfg.seq_len, cfg.prompt_weight)
     vocab_ids = None
-    if cfg.head_vocab:
+    if cfg.head_vocab and not cfg.init_from:  # a fine-tune keeps its draft's own
         specials = [*tokenizer.all_special_ids, *loaded.args.eos_token_ids]
         vocab_ids = frequent_vocab(train_data, cfg.head_vocab, loaded.args.vocab_size, specials)
 
