@@ -10,7 +10,9 @@ held-out prompts (the text a T=1 request decodes through), then runs the target 
 forced over prompt + reply (the draft's first step: true features, as in the round's first drafted
 token) and reports, for each draft temperature tau, the mean of sum_x min(p, q_tau) over the reply
 positions, q_tau = softmax(draft scores / tau) over the draft's vocabulary. Verification is lossless at
-every tau (it uses the distribution the draft drew from); tau only moves acceptance.
+every tau (it uses the distribution the draft drew from); tau only moves acceptance. It also reports the
+target's mean probability mass on the draft's sub-vocabulary at those positions: the ceiling of that
+acceptance at any tau (a draft never proposes a token outside it).
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ import torch
 import torch.nn.functional as F
 
 
-@torch.no_grad()
 def expected_acceptance(target, draft, sequences: list[list[int]], starts: list[int],
                         taus: tuple[float, ...], temperature: float = 1.0) -> dict[float, float]:
     """{tau: mean over positions t >= start (the reply's) of sum_x min(p_t(x), q_tau,t(x))}: p the target's
     next-token distribution at `temperature` over the whole vocabulary, q the draft's first-step
     distribution (true features) at tau, zero outside its sub-vocabulary."""
+    return first_position_stats(target, draft, sequences, starts, taus, temperature)[0]
+
+
+@torch.no_grad()
+def first_position_stats(target, draft, sequences: list[list[int]], starts: list[int], taus: tuple[float, ...],
+                         temperature: float = 1.0) -> tuple[dict[float, float], float]:
+    """(`expected_acceptance`, the mean target mass p_t(V) on the draft's vocabulary V): the second bounds
+    the first at every tau, since a draft can only propose tokens of V (1 for a full-vocabulary head)."""
     from training.distill import _shift, target_states
 
     totals = {tau: 0.0 for tau in taus}
-    count = 0
+    count, mass = 0, 0.0
     device = target.embed_tokens.weight.device
     for seq, start in zip(sequences, starts):
         tokens = torch.tensor([seq], device=device)
@@ -40,12 +49,13 @@ def expected_acceptance(target, draft, sequences: list[list[int]], starts: list[
         p = F.softmax(target(tokens, pos).logits[0, start - 1:-1].float() / temperature, dim=-1)  # predicts seq[start:]
         feats = _shift(draft.target_features(final, captured)) if draft.feature_input == "deep" else None
         scores = draft.forward_train(trunk, feats, pos)[0][0, start - 1:-1].float()  # (n, K)
+        p_sub = p if draft.vocab_ids is None else p[:, draft.vocab_ids]
         for tau in taus:
             q_sub = F.softmax(scores / tau, dim=-1)
-            p_sub = p if draft.vocab_ids is None else p[:, draft.vocab_ids]
             totals[tau] += torch.minimum(p_sub, q_sub).sum().item()
+        mass += p_sub.sum().item()
         count += p.shape[0]
-    return {tau: totals[tau] / max(count, 1) for tau in taus}
+    return {tau: totals[tau] / max(count, 1) for tau in taus}, mass / max(count, 1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,10 +86,12 @@ def main(argv: list[str] | None = None) -> None:
               for i in range(len(prompts))]
     replies = generate(eng, prompts, params)
     sequences = [p + r.token_ids for p, r in zip(prompts, replies)]
-    result = expected_acceptance(loaded.model, draft, sequences, [len(p) for p in prompts], taus, args.temperature)
-    print(json.dumps({"domain": args.domain, "split": args.split, "prompts": len(prompts), "reply_tokens": args.tokens,
-                      "temperature": args.temperature,
-                      "expected_first_position_acceptance": {f"{t:g}": round(v, 4) for t, v in result.items()}}))
+    result, mass = first_position_stats(loaded.model, draft, sequences, [len(p) for p in prompts], taus,
+                                        args.temperature)
+    print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),
+                      "reply_tokens": args.tokens, "temperature": args.temperature,
+                      "expected_first_position_acceptance": {f"{t:g}": round(v, 4) for t, v in result.items()},
+                      "target_mass_on_draft_vocab": round(mass, 4)}))
 
 
 if __name__ == "__main__":

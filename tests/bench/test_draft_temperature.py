@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.draft_temperature import expected_acceptance
+from bench.draft_temperature import expected_acceptance, first_position_stats
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
 
@@ -27,3 +27,6 @@ def test_an_exact_draft_is_always_accepted_at_its_own_temperature_only(tiny):
             for s, st in zip(seqs, [4, 6, 9])]
     bound = torch.cat(mass).mean().item()
     assert 0 < expected_acceptance(target, sub, seqs, [4, 6, 9], taus=(1.0,))[1.0] <= bound + 1e-6
+    # ... which is what the ceiling reports: that mass, and all of it for a full-vocabulary head.
+    assert first_position_stats(target, sub, seqs, [4, 6, 9], taus=(1.0,))[1] == pytest.approx(bound, abs=1e-6)
+    assert first_position_stats(target, exact, seqs, [4, 6, 9], taus=(1.0,))[1] == pytest.approx(1.0, abs=1e-6)
