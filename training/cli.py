@@ -244,6 +244,8 @@ def train_draft(
     lr_head: Annotated[float, typer.Option(help="Head's learning rate.")] = 1e-4,
     warmup_steps: Annotated[int, typer.Option(help="Linear warmup steps.")] = 20,
     ce_weight: Annotated[float, typer.Option(help="Cross-entropy weight (0: pure KL to the target).")] = 0.0,
+    tv_weight: Annotated[float, typer.Option(
+        help="Total variation weight: 1 - sum min(p, q), a sampled draft token's rejection probability (0: off).")] = 0.0,
     rollout_steps: Annotated[int, typer.Option(help="Draft passes per batch for deep drafts (1-3).")] = 2,
     group_by_length: Annotated[bool, typer.Option(
         help="Batch sequences of about one length (less padding); --no-group-by-length: uniformly random batches.")] = True,
@@ -298,7 +300,7 @@ def train_draft(
             steps=steps, max_seconds=max_seconds,
             batch_size=batch_size,
             grad_accum=grad_accum, seq_len=seq_len, lr_adapters=lr_adapters, lr_head=lr_head, warmup_steps=warmup_steps,
-            ce_weight=ce_weight, rollout_steps=rollout_steps, group_by_length=group_by_length, teacher_cache_gb=teacher_cache_gb, seed=seed, device=device, out_dir=str(run_dir),
+            ce_weight=ce_weight, tv_weight=tv_weight, rollout_steps=rollout_steps, group_by_length=group_by_length, teacher_cache_gb=teacher_cache_gb, seed=seed, device=device, out_dir=str(run_dir),
             resume=resume, eval_every=max(1, min(100, steps)), save_every=max(1, min(100, steps)),
         )
         run_pipeline(cfg, target=target, store=store, data_dir=data_dir, dataset=dataset, text_field=text_field,

@@ -149,6 +149,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
         max_seconds = min(max_seconds or left, left)
     cfg = TrainConfig(domain=domain_name, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                       lr_adapters=args.lr_adapters, lr_head=args.lr_head, warmup_steps=args.steps // 20,
+                      tv_weight=args.tv_weight,
                       eval_every=max(args.steps // 4, 1), save_every=args.steps, device=args.device,
                       max_seconds=max_seconds, teacher_cache_gb=args.teacher_cache_gb,
                       out_dir=str(out / "runs" / f"{domain_name}-{args.tag}"), resume=False,
@@ -262,6 +263,9 @@ def main() -> None:
     t.add_argument("--seq-len", type=int, default=384)
     t.add_argument("--lr-adapters", type=float, default=3e-4)
     t.add_argument("--lr-head", type=float, default=6e-4)
+    t.add_argument("--tv-weight", type=float, default=0.0,
+                   help="add this times the total variation distance to the target (a sampled token's rejection "
+                        "probability) to the KL loss (train-draft --tv-weight)")
     t.add_argument("--self-distill", type=int, default=4000, help="prompts answered by the target (0: raw text only)")
     t.add_argument("--reply-tokens", type=int, default=160)
     t.add_argument("--sampled-replies", type=int, default=3,

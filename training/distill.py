@@ -3,7 +3,9 @@
 Per batch: the target runs once under no_grad (bf16 autocast on CUDA, fp32 on CPU) giving the trunk
 hidden states (layers [0, N)), its final hidden states and next-token logits. The draft is trained
 to match the target's next-token distribution: KL(target || draft), restricted to the draft's
-sub-vocabulary (renormalized) when it has one, + ce_weight * CE on the data + (deep drafts) a
+sub-vocabulary (renormalized) when it has one, + tv_weight * the total variation distance between the
+two (1 - sum_x min(p, q): the probability that a token the draft samples is rejected, so this term aims
+at T=1 acceptance itself) + ce_weight * CE on the data + (deep drafts) a
 regression of its proxy feature onto the target's final hidden state. Deep drafts also run
 `rollout_steps - 1` extra passes whose feature inputs are the draft's own proxy features of the
 previous pass, shifted by one position: what the draft sees from its 2nd drafted token on.
@@ -76,6 +78,8 @@ class TrainConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
     clip: float = Field(1.0, gt=0, description="Gradient-norm clipping.")
     ce_weight: float = Field(0.0, ge=0, description="Weight of cross-entropy on the data next token.")
+    tv_weight: float = Field(0.0, ge=0, description="Weight of the total variation distance to the target's "
+                             "distribution (1 - sum min(p, q): a sampled draft token's rejection probability).")
     feature_weight: float = Field(0.1, ge=0, description="Weight of the proxy-feature regression (deep drafts).")
     rollout_steps: int = Field(2, ge=1, le=3, description="Draft passes per batch (deep drafts): 2nd/3rd feed on own features.")
     prompt_weight: float = Field(0.5, ge=0, description="Loss weight of prompt tokens (response tokens weigh 1).")
@@ -333,8 +337,8 @@ def teacher_cache_plan(cfg: TrainConfig, target: Transformer, data: TokenData,
 
 def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
                  cfg: TrainConfig, states: tuple | None = None) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch and its parts: KL and top-1 agreement (over the head's vocabulary) per draft
-    step, as tensors (one host transfer when the caller reads them). `states`: the target's trunk and
+    """Loss of one micro-batch and its parts: KL, top-1 agreement and expected acceptance of a sampled token
+    (sum_x min(p, q) at temperature 1; over the head's vocabulary) per draft step, as tensors (one host transfer when the caller reads them). `states`: the target's trunk and
     final (and captured) hidden states of these tokens when already known (`TeacherCache`); else the target runs."""
     vocab_ids = draft.vocab_ids
     if states is None:
@@ -360,7 +364,7 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
             ce_labels = nxt.masked_fill(nxt < 0, -100)
         ce_labels = ce_labels.masked_fill(weights == 0, -100)
     total = torch.zeros((), device=tokens.device)
-    parts: dict = {"kl": [], "top1": []}
+    parts: dict = {"kl": [], "top1": [], "accept": []}
     with _autocast(tokens.device):
         feats = _shift(draft.target_features(final, captured)) if deep else None
         for k in range(steps):
@@ -368,6 +372,12 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
             draft_logp = F.log_softmax(scores.float(), dim=-1)
             kl = ((target_prob * (target_logp - draft_logp)).sum(-1) * weights).sum() / denom
             loss = kl
+            overlap = torch.minimum(target_prob, draft_logp.exp()).sum(-1)  # (B, T): 1 - TV
+            accept = (overlap * weights).sum() / denom
+            if cfg.tv_weight > 0:
+                loss = loss + cfg.tv_weight * (1 - accept)
+            else:
+                accept = accept.detach()
             if ce_labels is not None:
                 ce = F.nll_loss(draft_logp.flatten(0, 1), ce_labels.flatten(), ignore_index=-100)
                 loss = loss + cfg.ce_weight * ce
@@ -382,6 +392,7 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
             agree = ((draft_logp.argmax(-1) == target_top).float() * (weights > 0)).sum() / (weights > 0).sum().clamp_min(1)
             parts["kl"].append(kl.detach())
             parts["top1"].append(agree)
+            parts["accept"].append(accept.detach())
     return total, {k: torch.stack(v) for k, v in parts.items()}
 
 
@@ -390,16 +401,16 @@ def held_out(target: Transformer, draft: DraftModel, data: TokenData, cfg: Train
     """Mean loss, KL and top-1 agreement per draft step over the first eval_batches validation batches."""
     draft.eval()
     n = min(len(data), cfg.eval_batches * cfg.batch_size)
-    losses, kls, tops = [], [], []
+    losses, by_step = [], collections.defaultdict(list)
     for start in range(0, n, cfg.batch_size):
         tokens, weights = _batch(data, list(range(start, min(n, start + cfg.batch_size))), device)
         loss, parts = distill_loss(target, draft, tokens, weights, cfg)
         losses.append(float(loss))
-        kls.append(parts["kl"].tolist())
-        tops.append(parts["top1"].tolist())
+        for name, values in parts.items():
+            by_step[name].append(values.tolist())
     draft.train()
-    return {"loss": float(np.mean(losses)), "kl_by_step": np.mean(kls, axis=0).round(4).tolist(),
-            "top1_by_step": np.mean(tops, axis=0).round(4).tolist()}
+    return {"loss": float(np.mean(losses)),
+            **{f"{name}_by_step": np.mean(v, axis=0).round(4).tolist() for name, v in by_step.items()}}
 
 
 # ----- the loop -------------------------------------------------------------------------------
@@ -584,14 +595,14 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     first_logged = len(history)
     while step < cfg.steps:
         optimizer.zero_grad(set_to_none=True)
-        sums = None  # (loss, kl per draft step..., top1 per draft step...) on the device
+        sums = None  # (loss, kl per draft step..., top1 per draft step..., accept per draft step...) on the device
         for micro in range(cfg.grad_accum):
             indices = order.indices(step * cfg.grad_accum + micro)
             tokens, weights = _batch(train_data, indices, device)
             states = teacher.gather(indices, device) if teacher is not None else None
             loss, parts = distill_loss(target, draft, tokens, weights, cfg, states)
             (loss / cfg.grad_accum).backward()
-            row = torch.cat([loss.detach()[None], parts["kl"], parts["top1"]]) / cfg.grad_accum
+            row = torch.cat([loss.detach()[None], parts["kl"], parts["top1"], parts["accept"]]) / cfg.grad_accum
             sums = row if sums is None else sums + row
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.clip)
         optimizer.step()
@@ -601,7 +612,8 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
         *values, norm = torch.cat([sums, grad_norm.reshape(1)]).tolist()  # the step's one host transfer
         n = len(parts["kl"])
         log = {"step": step, "loss": round(values[0], 5), "kl_by_step": np.round(values[1 : 1 + n], 4).tolist(),
-               "top1_by_step": np.round(values[1 + n :], 4).tolist(), "grad_norm": round(norm, 4),
+               "top1_by_step": np.round(values[1 + n : 1 + 2 * n], 4).tolist(),
+               "accept_by_step": np.round(values[1 + 2 * n :], 4).tolist(), "grad_norm": round(norm, 4),
                "lr_adapters": scheduler.get_last_lr()[-1]}
         if len(history) == first_logged:  # this process's first step (also after a resume)
             if teacher is not None:

@@ -71,8 +71,33 @@ def test_training_lowers_the_loss_and_raises_real_acceptance(tmp_path, setup, fe
     assert last["loss"] < 0.5 * first["loss"]
     assert last["eval"]["top1_by_step"][0] > first["top1_by_step"][0]
     assert len(last["top1_by_step"]) == (2 if feature_input == "deep" else 1)  # rollout only where features exist
+    assert last["eval"]["accept_by_step"][0] > first["accept_by_step"][0]  # a sampled token is kept more often
     assert after > before + 0.3, (before, after)
     assert (tmp_path / "ckpt" / "state.pt").is_file() and (tmp_path / "train_log.jsonl").is_file()
+
+
+def test_the_loss_reports_expected_acceptance_and_the_tv_term_adds_its_complement(setup):
+    """accept = weighted mean of sum_x min(p, q) over the head's vocabulary (1 for an exact draft, the
+    probability that a token the draft samples is kept); tv_weight adds tv_weight * (1 - accept) per pass."""
+    target, _, data = setup
+    tokens, weights = distill._batch(data, list(range(4)), torch.device("cpu"))
+    base = dict(domain="code", shared_layers=1, adapter_layers=3, head_vocab=None, feature_input="none",
+                out_dir="unused", rollout_steps=1)
+    exact = build_draft(target, TrainConfig(**base), None)  # adapters = target layers 1..3: the target itself
+    _, parts = distill.distill_loss(target, exact, tokens, weights, TrainConfig(**base))
+    assert parts["accept"].tolist() == pytest.approx([1.0], abs=1e-4) and parts["kl"].item() < 1e-4
+
+    cfg = TrainConfig(**{**base, "adapter_layers": 1})
+    draft = build_draft(target, cfg, None)  # an early exit: a poor draft
+    loss, parts = distill.distill_loss(target, draft, tokens, weights, cfg)
+    accept = parts["accept"].item()
+    assert 0.05 < accept < 0.95
+    loss_tv, parts_tv = distill.distill_loss(target, draft, tokens, weights, TrainConfig(**{**base, "adapter_layers": 1,
+                                                                                             "tv_weight": 2.0}))
+    assert parts_tv["accept"].item() == pytest.approx(accept, abs=1e-6)
+    assert loss_tv.item() == pytest.approx(loss.item() + 2.0 * (1 - accept), abs=1e-5)
+    loss_tv.backward()  # the term is differentiable through the draft's distribution
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in draft.parameters())
 
 
 def test_a_draft_without_shared_layers_trains_and_stays_lossless(tmp_path, setup):
