@@ -337,9 +337,11 @@ def teacher_cache_plan(cfg: TrainConfig, target: Transformer, data: TokenData,
 
 def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, weights: torch.Tensor,
                  cfg: TrainConfig, states: tuple | None = None) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch and its parts: KL, top-1 agreement and expected acceptance of a sampled token
-    (sum_x min(p, q) at temperature 1; over the head's vocabulary) per draft step, as tensors (one host transfer when the caller reads them). `states`: the target's trunk and
-    final (and captured) hidden states of these tokens when already known (`TeacherCache`); else the target runs."""
+    """Loss of one micro-batch and its parts per draft step, as tensors (one host transfer when the caller
+    reads them): KL, top-1 agreement and the expected acceptance of a sampled token (sum_x min(p, q) at
+    temperature 1), all over the head's vocabulary (the target's distribution renormalized on it).
+    `states`: the target's trunk and final (and captured) hidden states of these tokens when already known
+    (`TeacherCache`); else the target runs."""
     vocab_ids = draft.vocab_ids
     if states is None:
         states = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
@@ -372,12 +374,10 @@ def distill_loss(target: Transformer, draft: DraftModel, tokens: torch.Tensor, w
             draft_logp = F.log_softmax(scores.float(), dim=-1)
             kl = ((target_prob * (target_logp - draft_logp)).sum(-1) * weights).sum() / denom
             loss = kl
-            overlap = torch.minimum(target_prob, draft_logp.exp()).sum(-1)  # (B, T): 1 - TV
-            accept = (overlap * weights).sum() / denom
+            with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.tv_weight > 0):  # else only a metric
+                accept = (torch.minimum(target_prob, draft_logp.exp()).sum(-1) * weights).sum() / denom  # 1 - TV
             if cfg.tv_weight > 0:
                 loss = loss + cfg.tv_weight * (1 - accept)
-            else:
-                accept = accept.detach()
             if ce_labels is not None:
                 ce = F.nll_loss(draft_logp.flatten(0, 1), ce_labels.flatten(), ignore_index=-100)
                 loss = loss + cfg.ce_weight * ce
