@@ -48,8 +48,14 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
     lines = table_rows(bench.rows)
     assert len(lines) == 3
     assert "failed: RuntimeError: CUDA error" in lines[1] and "more lines" not in lines[1]
-    assert "| 150.0 | 1.50x |" in lines[2] and lines[2].endswith("| 150-163 (2 captured, 3 passes rerun) |")  # spread, captures
+    assert "| 150.0 | 1.50x | -x |" in lines[2] and lines[2].endswith("| 150-163 (2 captured, 3 passes rerun) |")  # spread, captures
     assert lines[0].endswith("| - |")
+    # Rows of the fused path also get their ratio to fused plain decoding, the figure their speed-up is quoted by.
+    bench.measure("bs 1", "engine AR (fused)", lambda: {"tps": 250.0})
+    bench.measure("bs 1", "FlashSpec, block 5 (fused)", lambda: {"tps": 300.0})
+    lines = table_rows(bench.rows)
+    assert "| 250.0 | 2.50x | 1.00x |" in lines[3] and "| 300.0 | 3.00x | 1.20x |" in lines[4]
+    assert all(line.count("|") == lines[2].count("|") for line in lines)  # the failed row keeps the columns
 
 
 def test_round_profile_without_a_gpu_says_so_and_where_to_run_it():
