@@ -15,7 +15,8 @@ from bench.ar import setup_line
 
 
 def load_bench_draft(spec: str, target):
-    """A domain name, a draft folder, or 'untrained:N,A,HEAD,FEATURE[,K]' (initialized from the target)."""
+    """A domain name, a draft folder (a version, or a store's domain folder: its ACTIVE version), or
+    'untrained:N,A,HEAD,FEATURE[,K]' (initialized from the target)."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
 
@@ -29,13 +30,16 @@ def load_bench_draft(spec: str, target):
         return draft
     from pathlib import Path
 
-    from drafts.checkpoint import load_draft
+    from drafts.checkpoint import DraftLoadError, load_draft
     from drafts.store import DOMAINS, resolve_draft
 
     path = resolve_draft(spec) if spec in DOMAINS else Path(spec)
     if path is None:
         raise SystemExit(f"error: no active draft for domain {spec!r}; train one or pass a folder")
-    return load_draft(path, target, name=spec)
+    try:
+        return load_draft(path, target, name=spec)
+    except DraftLoadError as exc:
+        raise SystemExit(f"error: --draft {spec}: {exc}") from None
 
 
 def measure(engine, prompts, params, draft_name):

@@ -107,12 +107,22 @@ def save_draft(
     return out_dir
 
 
+def version_folder(path: str | Path) -> Path:
+    """A draft's version folder from a path that names it or a store's domain folder (then its ACTIVE version)."""
+    folder = Path(path)
+    active = folder / "ACTIVE"
+    if active.is_file() and not (folder / MANIFEST).is_file():
+        return folder / active.read_text().strip()
+    return folder
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder; DraftLoadError if missing, unreadable or of another format."""
     folder = Path(path)
     file = folder / MANIFEST
     if not file.is_file():
-        raise DraftLoadError(f"{folder} has no {MANIFEST}: not a draft checkpoint folder (expected {MANIFEST} + {WEIGHTS})")
+        raise DraftLoadError(f"{folder} has no {MANIFEST}: not a draft checkpoint folder (expected {MANIFEST} + {WEIGHTS}, "
+                             "or a store's domain folder with an ACTIVE file)")
     try:
         manifest = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -132,8 +142,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def load_draft(path: str | Path, target_model: Transformer, name: str | None = None) -> DraftModel:
-    """Load a checkpoint folder onto `target_model` (its device and dtype); raises DraftLoadError on any mismatch."""
-    folder = Path(path)
+    """Load a checkpoint folder (or a store's domain folder: its ACTIVE version) onto `target_model` (its device and
+    dtype); raises DraftLoadError on any mismatch."""
+    folder = version_folder(path)
     manifest = read_manifest(folder)
     weights = folder / manifest.get("weights_file", WEIGHTS)
     if not weights.is_file():

@@ -280,7 +280,8 @@ def train_draft(
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads.")] = None,
 ) -> None:
     """Train a domain draft, evaluate it with the real decoder, publish it to the store, activate it if the gate passes."""
-    from training.distill import TrainConfig, check_train_domain, draft_shape, init_folder, layer_list
+    from drafts.checkpoint import version_folder
+    from training.distill import TrainConfig, check_train_domain, draft_shape, layer_list
     from training.pipeline import run_pipeline
 
     _threads(threads)
@@ -292,7 +293,7 @@ def train_draft(
         shape = dict(shared_layers=shared_layers, adapter_layers=adapter_layers, head=head, feature_input=feature_input,
                      head_vocab=head_vocab or None, feature_layers=layer_list(feature_layers))
         if init_from is not None:
-            init_from = init_folder(init_from)
+            init_from = version_folder(init_from)
             shape = draft_shape(init_from)
             typer.echo(f"init-from {init_from}: fine-tuning a {shape} draft")
         cfg = TrainConfig(

@@ -111,9 +111,10 @@ def start_shape(shape: dict, init_from: Path | None, domain: str) -> dict:
     store's active draft of the domain plus `init_from` (the run fine-tunes it)."""
     if init_from is None:
         return shape
-    from training.distill import draft_shape, init_folder
+    from drafts.checkpoint import version_folder
+    from training.distill import draft_shape
 
-    folder = init_folder(init_from / domain)
+    folder = version_folder(init_from / domain)
     return {**draft_shape(folder), "init_from": str(folder)}
 
 

@@ -469,15 +469,6 @@ def _set_rng_state(state: dict) -> None:
 SHAPE_KEYS = ("shared_layers", "adapter_layers", "head", "feature_input", "head_vocab", "feature_layers")
 
 
-def init_folder(path: str | Path) -> Path:
-    """A draft version folder from `--init-from`: the folder itself, or a domain folder's ACTIVE version."""
-    folder = Path(path)
-    active = folder / "ACTIVE"
-    if active.is_file():
-        return folder / active.read_text().strip()
-    return folder
-
-
 def draft_shape(folder: str | Path) -> dict:
     """The TrainConfig shape fields of a saved draft (its manifest's draft_config): what `--init-from` keeps."""
     from drafts.checkpoint import DraftLoadError, read_manifest

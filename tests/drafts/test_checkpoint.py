@@ -63,6 +63,19 @@ def test_round_trip_keeps_every_tensor_and_writes_the_manifest(tmp_path):
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_a_store_domain_folder_loads_its_active_version_and_a_bad_folder_says_what_a_draft_is(tmp_path):
+    from bench.spec import load_bench_draft
+
+    target = tiny_target()
+    for version in ("v1", "v2"):
+        save_draft(trained_like_draft(target), tmp_path / "code" / version, "code", version, dtype=torch.float32)
+    (tmp_path / "code" / "ACTIVE").write_text("v1\n")
+    assert load_draft(tmp_path / "code", target).version == "v1"  # the domain folder: its ACTIVE version
+    assert load_bench_draft(str(tmp_path / "code" / "v2"), target).version == "v2"
+    with pytest.raises(SystemExit, match=r"error: --draft .*has no manifest.json.*ACTIVE file"):
+        load_bench_draft(str(tmp_path), target)  # a folder of domain folders is no draft
+
+
 def test_a_draft_fusing_extra_layers_round_trips(tmp_path):
     target = tiny_target()
     config = DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep", head_vocab=32,

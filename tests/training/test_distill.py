@@ -9,6 +9,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
+from drafts.checkpoint import version_folder
 from engine.config import ModelArgs
 from engine.generate import generate
 from engine.model import Transformer
@@ -227,7 +228,7 @@ def test_fine_tuning_starts_from_the_saved_draft_and_keeps_its_sub_vocabulary(tm
     assert acceptance(target, tuned.draft, prompts[:4]) > acceptance(target, fresh.draft, prompts[:4])
 
     # A domain folder names its ACTIVE version; draft_shape reads the shape to train with.
-    assert distill.init_folder(tmp_path / "store" / "code") == folder and distill.init_folder(folder) == folder
+    assert version_folder(tmp_path / "store" / "code") == folder and version_folder(folder) == folder
     assert distill.draft_shape(folder) == {"shared_layers": 1, "adapter_layers": 1, "head": "mlp_tied",
                                            "feature_input": "deep", "head_vocab": 64, "feature_layers": []}
 
