@@ -38,15 +38,13 @@ def parts_head(w: torch.Tensor, parts: int):
 
 
 def replay_us(fn, x: torch.Tensor, n: int = 200) -> tuple[float, torch.Tensor]:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(x)
+    """fn(x) as one CUDA graph (`bench.gpu.capture_graph`: three warm-up runs, then the capture): mean us a
+    replay over n, by CUDA events, and the graph's output."""
+    from bench.gpu import capture_graph
+
+    held = {}
+    graph = capture_graph(lambda: held.__setitem__("out", fn(x)))
+    out = held["out"]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

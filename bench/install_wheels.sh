@@ -85,19 +85,19 @@ for gguf_file in "$WORK"/wheels/*.gguf; do
 done
 
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
-echo "checking imports with PYTHONPATH=$PYTHONPATH"
-"$PYTHON" - "$TARGET" "$WORK/wheels" <<'EOF'
+ray_wheels=("$WORK"/wheels/ray-*.whl)  # none in a SET=engine bundle (nullglob)
+bundle=$([[ ${#ray_wheels[@]} -gt 0 ]] && echo serve || echo engine)
+echo "checking imports ($bundle set) with PYTHONPATH=$PYTHONPATH"
+"$PYTHON" - "$TARGET" "$bundle" <<'EOF'
 import importlib.metadata as md
 import sys
 
 from packaging.requirements import Requirement
 
 target = sys.argv[1]
-import os
-
 import gguf, pydantic  # noqa: E401,F401  (the check itself)
 
-serve_set = any(n.startswith("ray-") for n in os.listdir(sys.argv[2]))  # SET=engine stages no ray
+serve_set = sys.argv[2] == "serve"
 if serve_set:
     import ray, ray.serve, fastapi, uvicorn, skops  # noqa: E401,F401
 
@@ -129,8 +129,7 @@ for line in sorted(set(problems)):
     print("warning:", line)
 print(f"requirements: {'all satisfied' if not problems else f'{len(set(problems))} warnings above'}")
 EOF
-ray_wheels=("$WORK"/wheels/ray-*.whl)  # none in a SET=engine bundle (nullglob)
-if [[ -d services && ${#ray_wheels[@]} -gt 0 ]]; then
+if [[ -d services && $bundle == serve ]]; then
   "$PYTHON" -c "import services.app, bench.scale; print('services.app and bench.scale import ok')"
 elif [[ -d engine ]]; then
   "$PYTHON" -c "import bench.gpu, training.distill; print('bench.gpu and training.distill import ok')"

@@ -121,7 +121,7 @@ def start_shape(shape: dict, init_from: Path | None, domain: str) -> dict:
 def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args, out: Path,
               shaped: dict | None = None) -> dict:
     from drafts.checkpoint import save_draft
-    from training.distill import TrainConfig, domain_sequences, frequent_vocab, train
+    from training.distill import TrainConfig, domain_sequences, run_vocab, train
     from training.evaluate import evaluate_draft
     from training.selfdistill import greedy_and_sampled
 
@@ -157,10 +157,7 @@ def train_one(domain_name: str, rows: Rows, val: Rows, shape: dict, loaded, args
                       group_by_length=args.group_by_length, **shape)
     data = domain_sequences(rows, tok, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val, tok, cfg.seq_len, cfg.prompt_weight)
-    vocab_ids = None
-    if cfg.head_vocab and not cfg.init_from:  # a fine-tune keeps its draft's own
-        vocab_ids = frequent_vocab(data, cfg.head_vocab, loaded.args.vocab_size,
-                                   [*tok.all_special_ids, *loaded.args.eos_token_ids])
+    vocab_ids = run_vocab(cfg, data, loaded.args.vocab_size, [*tok.all_special_ids, *loaded.args.eos_token_ids])
     t1 = time.perf_counter()
     result = train(cfg, model, data, val_data, vocab_ids, progress=False)
     t_train = time.perf_counter() - t1

@@ -179,6 +179,14 @@ def domain_sequences(rows, tokenizer, seq_len: int, prompt_weight: float = 0.5,
     return TokenData(seqs, weights)
 
 
+def run_vocab(cfg: "TrainConfig", data: TokenData, vocab_size: int, special_ids=()) -> torch.Tensor | None:
+    """The sub-vocabulary a run counts from its data (`frequent_vocab`), or None: a full-vocabulary head, or a
+    fine-tune (`init_from`), which keeps its draft's own (`train` takes it from the draft)."""
+    if not cfg.head_vocab or cfg.init_from:
+        return None
+    return frequent_vocab(data, cfg.head_vocab, vocab_size, special_ids)
+
+
 def frequent_vocab(data: TokenData, k: int, vocab_size: int, special_ids=()) -> torch.Tensor:
     """The K most frequent token ids of the data (most frequent first), always including special ids."""
     if k > vocab_size:
@@ -477,8 +485,9 @@ def draft_shape(folder: str | Path) -> dict:
     try:
         config = DraftConfig.from_dict(read_manifest(Path(folder))["draft_config"])
     except (DraftLoadError, KeyError, TypeError, ValueError) as exc:
-        raise TrainError(f"--init-from {folder}: not a draft checkpoint folder ({exc}); name a version folder "
-                         "with manifest.json and draft.safetensors (e.g. <store>/code/<version>)") from exc
+        raise TrainError(f"--init-from {folder}: not a draft checkpoint folder ({exc}); name a draft's version "
+                         "folder (manifest.json and draft.safetensors: <store>/code/<version>) or a store's domain "
+                         "folder (<store>/code, its ACTIVE version)") from exc
     return {k: list(v) if k == "feature_layers" else v for k, v in vars(config).items() if k in SHAPE_KEYS}
 
 
@@ -541,9 +550,9 @@ def train(cfg: TrainConfig, target: Transformer, train_data: TokenData, val_data
     start = warm_start(cfg, target) if cfg.init_from and state is None else None  # a resume keeps its own weights
     if start is not None:
         vocab_ids = start.get("vocab_ids")  # the draft's own sub-vocabulary, not one counted from this data
-    if cfg.head_vocab and vocab_ids is None:
-        specials = [target.args.bos_token_id, *target.args.eos_token_ids]
-        vocab_ids = frequent_vocab(train_data, cfg.head_vocab, target.args.vocab_size, specials)
+    if vocab_ids is None:
+        vocab_ids = run_vocab(cfg, train_data, target.args.vocab_size,
+                              [target.args.bos_token_id, *target.args.eos_token_ids])
     if state is not None:
         vocab_ids = state["draft"].get("vocab_ids")
     draft = build_draft(target, cfg, vocab_ids)

@@ -12,7 +12,7 @@ from drafts.checkpoint import load_draft, save_draft
 from drafts.store import DraftStore, default_store_root, shipped_drafts_dir
 from engine.loading import load_model
 from training import corpora
-from training.distill import (ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, frequent_vocab,
+from training.distill import (ALL_DOMAINS, TrainConfig, TrainError, domain_sequences, run_vocab,
                               teacher_cache_plan, train)
 from training.evaluate import evaluate_draft, held_out_prompts
 from training.selfdistill import greedy_and_sampled as make_replies
@@ -66,10 +66,7 @@ def run_pipeline(cfg: TrainConfig, target: str = "default", store: Path | None =
         echo(f"self-distillation: {len(replies)} greedy target replies, {sum(map(len, sampled))} sampled")
     train_data = domain_sequences(train_rows, tokenizer, cfg.seq_len, cfg.prompt_weight, replies, sampled)
     val_data = domain_sequences(val_rows, tokenizer, cfg.seq_len, cfg.prompt_weight)
-    vocab_ids = None
-    if cfg.head_vocab and not cfg.init_from:  # a fine-tune keeps its draft's own
-        specials = [*tokenizer.all_special_ids, *loaded.args.eos_token_ids]
-        vocab_ids = frequent_vocab(train_data, cfg.head_vocab, loaded.args.vocab_size, specials)
+    vocab_ids = run_vocab(cfg, train_data, loaded.args.vocab_size, [*tokenizer.all_special_ids, *loaded.args.eos_token_ids])
 
     need, no_cache = teacher_cache_plan(cfg, loaded.model, train_data, tuple(cfg.feature_layers))
     if no_cache is not None and need > cfg.teacher_cache_gb > 0:  # over its budget

@@ -6,8 +6,7 @@ import pytest
 
 from drafts.store import shipped_drafts_dir
 from training.demo_recipe import DEMO, Rows, start_shape, with_shaped
-from training.distill import TrainError
-from training.distill import domain_sequences
+from training.distill import TrainError, domain_sequences
 
 
 def test_shaped_prompts_join_the_rows_and_train_on_the_targets_replies(tiny):
