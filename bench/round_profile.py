@@ -2,8 +2,9 @@
 
     python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
-    python -m bench.round_profile --kernel-table [--attention triton]   # a decode step's kernels by type
+    python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
+    python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
     python -m bench.round_profile --profiler-effect    # graph launches before and after torch.profiler runs
     python -m bench.round_profile --warmup [--attention triton] [--overlap]  # a replica's warm-up and its traffic
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu import capture_graph, count_kernels, cuda_ms
-from engine import triton_kernels
+from engine import triton_kernels, triton_layer
 
 
 @torch.no_grad()
@@ -55,7 +56,7 @@ def round_pieces(domain: str, attention: str, fused: bool, position: int = 600) 
     token = torch.zeros(1, 1, dtype=torch.long, device=dev)
     at = lambda j=0: torch.full((1,), position + j, device=dev)  # noqa: E731
     print(json.dumps({"domain": domain, "attention": model.backend.name, "fused": model.fused, "kv_slots": kv,
-                      "small_kernels": triton_kernels.ENABLED,
+                      "small_kernels": triton_kernels.ENABLED, "layer_kernels": triton_layer.ENABLED,
                       "trunk_layers": trunk_layers, "feature_layers": capture}), flush=True)
 
     def full(t):
@@ -190,37 +191,110 @@ def attention_calls() -> None:
 
 
 @torch.no_grad()
-def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6), top: int = 10) -> None:
-    """One fused decode step (and verify-sized pass) of the default model by CUDA kernel: count, GPU time
-    each kernel type took in one eager run (torch.profiler), against the step's CUDA-graph replay time,
-    with engine.triton_kernels off and on. Every replay time is taken before the profiler's first run: it
-    leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
+def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6, 48), top: int = 10) -> None:
+    """One fused decode step (and verify-sized passes: 6 tokens of one row, 6 of 8 rows as 48) of the default
+    model by CUDA kernel: count, GPU time each kernel type took in one eager run (torch.profiler), against
+    the step's CUDA-graph replay time, with neither engine.triton_kernels nor engine.triton_layer, with the
+    small kernels only, and with both (the default). Every replay time is taken before the profiler's first
+    run: it leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
+    from engine import triton_layer
     from engine.loading import load_model
     from engine.triton_kernels import argmax
 
     model = load_model("default", device="cuda", dtype="bfloat16").model
     model.fuse_for_inference(compile=True)
     model.set_attention_backend(attention)
-    cache, kv = model.new_cache(1, 1024), 704
+    cache, kv = model.new_cache(8, 1024), 704
+    settings = (("none", False, False), ("small kernels", True, False), ("small + layer kernels", True, True))
     runs = []
-    for enabled in (False, True):  # every graph timed before the profiler first runs (it slows later launches)
-        triton_kernels.ENABLED = enabled
+    for label, small, layer in settings:  # every graph timed before the profiler first runs (it slows later launches)
+        triton_kernels.ENABLED, triton_layer.ENABLED = small, layer
         for t in tokens:
-            tok = torch.zeros(1, t, dtype=torch.long, device="cuda")
-            pos = 600 + torch.arange(t, device="cuda")[None]
+            rows, per_row = (8, t // 8) if t > 16 else (1, t)
+            tok = torch.zeros(rows, per_row, dtype=torch.long, device="cuda")
+            pos = (600 + torch.arange(per_row, device="cuda")[None]).expand(rows, -1)
 
             def fn(tok=tok, pos=pos):
                 return argmax(model(tok, pos, cache=cache, kv_len=kv).logits)
 
-            runs.append((enabled, t, fn, cuda_ms(capture_graph(fn).replay, 300)))
-    for enabled, t, fn, ms in runs:
-        triton_kernels.ENABLED = enabled
+            runs.append((label, small, layer, t, fn, cuda_ms(capture_graph(fn).replay, 300)))
+    for label, small, layer, t, fn, ms in runs:
+        triton_kernels.ENABLED, triton_layer.ENABLED = small, layer
         by = kernels_by_name(fn)
-        print(json.dumps({"attention": model.backend.name, "small_kernels": enabled, "tokens": t,
+        print(json.dumps({"attention": model.backend.name, "kernels_on": label, "tokens": t,
                           "graph_ms": round(ms, 3), "kernels": sum(c for c, _ in by.values()),
                           "kernel_busy_ms": round(sum(d for _, d in by.values()) / 1000, 3)}), flush=True)
         print_kernels(by, top, "  ")
-    triton_kernels.ENABLED = True
+    triton_kernels.ENABLED = triton_layer.ENABLED = True
+
+
+@torch.no_grad()
+def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> dict[str, int]:
+    """engine/triton_layer.py's launch settings, swept: each setting's two kernels (the default model's layer
+    shape, bf16, random inputs) timed as CUDA graphs of 20 calls at each row count, beside the separate
+    kernels they replace (add_rms_norm, the GEMM, rope_kv_write / silu_mul, as the fused path runs them).
+    Prints one JSON line per setting and the best one (least time summed over the row counts up to 6:
+    decode and bs 1 draft and verify steps); `out` gets it as FLASHSPEC_LAYER_CONFIG's value."""
+    import itertools
+
+    from engine import fused
+    from engine.triton_kernels import rope_kv_write
+
+    h, hq, hkv, d, inter, dt = 576, 9, 3, 64, 1536, torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(dt)  # noqa: E731
+    w, wg, nw = rnd((hq + 2 * hkv) * d, h) * h ** -0.5, rnd(2 * inter, h) * h ** -0.5, 1 + rnd(h) * 0.1
+    kc, vc = torch.zeros(8, hkv, 1024, d, device="cuda", dtype=dt), torch.zeros(8, hkv, 1024, d, device="cuda", dtype=dt)
+    ops = fused.make_ops(True)
+    kern = ops.select(1)
+
+    def per_call_us(fn) -> float:
+        fn()
+        graph = capture_graph(lambda: [fn() for _ in range(20)])
+        return cuda_ms(graph.replay, 50) * 1000 / 20
+
+    inputs = {}
+    for n in rows:
+        b, t = (8, n // 8) if n > 16 else (1, n)
+        pos = (600 + torch.arange(t, device="cuda"))[None].expand(b, -1).contiguous()
+        inputs[n] = (rnd(n, h), rnd(n, h), rnd(n, d), rnd(n, d), pos)
+    base = {}
+    for n, (x, delta, cos, sin, pos) in inputs.items():
+        def qkv_sep(x=x, delta=delta, cos=cos, sin=sin, pos=pos):
+            _, hn = kern.add_rms_norm(x, delta, nw, 1e-5)
+            return rope_kv_write(torch.nn.functional.linear(hn, w), cos, sin, kc, vc, None, pos, hq, hkv)
+
+        def gate_sep(x=x, delta=delta):
+            _, hn = kern.add_rms_norm(x, delta, nw, 1e-5)
+            return kern.silu_mul(torch.nn.functional.linear(hn, wg), inter)
+
+        base[n] = (per_call_us(qkv_sep), per_call_us(gate_sep))
+    print(json.dumps({"separate_kernels_us": {n: [round(a, 2), round(b, 2)] for n, (a, b) in base.items()}}), flush=True)
+    best, best_us = None, float("inf")
+    saved = dict(triton_layer.CONFIG)
+    for k, c, gb, warps, stages in itertools.product((128, 256, 1024), (16, 32), (16, 32), (4, 8), (1, 3)):
+        triton_layer.CONFIG.update(k=k, c=c, g=gb, w=warps, s=stages)
+        try:
+            times = {}
+            for n, (x, delta, cos, sin, pos) in inputs.items():
+                times[n] = (per_call_us(lambda: triton_layer.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc,
+                                                                                None, pos, hq, hkv)),
+                            per_call_us(lambda: triton_layer.norm_gate_up_silu(x, delta, nw, 1e-5, wg, inter)))
+        except Exception as exc:  # noqa: BLE001 - a setting the compiler refuses (registers, shared memory)
+            print(json.dumps({"config": dict(triton_layer.CONFIG), "error": f"{type(exc).__name__}: {exc}"[:200]}))
+            continue
+        total = sum(a + b for n, (a, b) in times.items() if n <= 6)
+        print(json.dumps({"config": dict(triton_layer.CONFIG), "us": {n: [round(a, 2), round(b, 2)] for n, (a, b) in times.items()},
+                          "sum_to_6": round(total, 2)}), flush=True)
+        if total < best_us:
+            best, best_us = dict(triton_layer.CONFIG), total
+    triton_layer.CONFIG.update(saved)
+    line = ",".join(f"{key}={value}" for key, value in best.items())
+    print(json.dumps({"best": line, "sum_to_6_us": round(best_us, 2),
+                      "separate_sum_to_6_us": round(sum(a + b for n, (a, b) in base.items() if n <= 6), 2)}), flush=True)
+    if out:
+        Path(out).write_text(line + "\n")
+    return best
 
 
 def kernels_by_name(fn) -> dict:
@@ -442,11 +516,18 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="--warmup with DecodeEngine(overlap=True)")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
+    parser.add_argument("--no-layer-kernels", action="store_true",
+                        help="without engine.triton_layer (separate norm, projection, RoPE and SiLU kernels)")
+    parser.add_argument("--layer-sweep", default=None, metavar="OUT", nargs="?", const="",
+                        help="only engine/triton_layer.py's launch settings swept (the best written to OUT)")
     args = parser.parse_args()
     triton_kernels.ENABLED = not args.no_small_kernels
+    triton_layer.ENABLED = not args.no_layer_kernels
     if not torch.cuda.is_available():
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
-    if args.attention_calls:
+    if args.layer_sweep is not None:
+        layer_sweep(out=args.layer_sweep or None)
+    elif args.attention_calls:
         attention_calls()
     elif args.kernel_table:
         kernel_table(args.attention)

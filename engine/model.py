@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine import triton_kernels
+from engine import triton_kernels, triton_layer
 from engine.attention import AttentionBackend, SdpaBackend
 from engine.cache import KVCache
 from engine.config import ModelArgs
@@ -121,14 +121,33 @@ class Attention(_FusableProjections):
             q = triton_kernels.rope_kv_write(qkv, cos, sin, cache.k[cache_layer], cache.v[cache_layer], ctx.rows,
                                              ctx.input_pos, hq, hkv)
         if q is not None:
-            q, k, v = q.view(bsz, seqlen, hq, d).transpose(1, 2), None, None  # k and v are in the cache already
-        else:
-            qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
-            q = qk[:, :hq].view(bsz, seqlen, hq, d).transpose(1, 2)  # (B, Hq, T, D)
-            k = qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # (B, Hkv, T, D)
-            v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)
+            return self.attend(q, None, None, shape, ctx, cache_layer)  # k and v are in the cache already
+        qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
+        q, k = qk[:, :hq], qk[:, hq:].view(bsz, seqlen, hkv, d).transpose(1, 2)  # k (B, Hkv, T, D)
+        v = qkv[:, (hq + hkv) * d :].view(bsz, seqlen, hkv, d).transpose(1, 2)
+        return self.attend(q, k, v, shape, ctx, cache_layer)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, shape: tuple[int, int],
+               ctx: "StepContext", cache_layer: int) -> torch.Tensor:
+        """The rotated queries (N, Hq, D) over the cache (and the new k, v (B, Hkv, T, D) unless they are in
+        it already), then the output projection -> (N, H)."""
+        bsz, seqlen = shape
+        q = q.view(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         out = cached_attention(q, k, v, ctx, cache_layer)  # (B, Hq, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(n, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(bsz * seqlen, -1))
+
+    def norm_project_rope(self, x: torch.Tensor, delta: torch.Tensor | None, norm: "RMSNorm", shape: tuple[int, int],
+                          ctx: "StepContext", cache_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual add, `norm`, the q|k|v projection, RoPE and the cache write as one kernel
+        (engine/triton_layer.py): -> (x + delta, the rotated queries (N, Hq, D)), or None where that kernel
+        does not serve the call (the caller takes the separate kernels)."""
+        cache = ctx.cache
+        if cache is None or not cache.slot_is_position or self.qkv.bias is not None:
+            return None
+        n, d = x.shape[0], self.head_dim
+        return triton_layer.norm_qkv_rope_write(x, delta, norm.weight, norm.eps, self.qkv.weight, ctx.cos.reshape(n, d),
+                                                ctx.sin.reshape(n, d), cache.k[cache_layer], cache.v[cache_layer],
+                                                ctx.rows, ctx.input_pos, self.num_heads, self.num_kv_heads)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -199,13 +218,25 @@ class DecoderLayer(nn.Module):
         -> (residual after attention, this layer's MLP output): the add is folded into the next norm."""
         kernels = self.ops.select(shape[1])
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        if delta is None:
-            h = kernels.rms_norm(x, ln1.weight, ln1.eps)
+        attn, mlp = self.self_attn, self.mlp
+        short = shape[1] <= self.ops.max_compiled_tokens  # decode, draft and verify steps, not a prefill
+        done = attn.norm_project_rope(x, delta, ln1, shape, ctx, cache_layer) if short else None
+        if done is not None:  # one kernel up to the attention (engine/triton_layer.py)
+            x, q = done
+            a = attn.attend(q, None, None, shape, ctx, cache_layer)
         else:
-            x, h = kernels.add_rms_norm(x, delta, ln1.weight, ln1.eps)
-        a = self.self_attn.forward_fused(h, shape, ctx, cache_layer, kernels)
+            if delta is None:
+                h = kernels.rms_norm(x, ln1.weight, ln1.eps)
+            else:
+                x, h = kernels.add_rms_norm(x, delta, ln1.weight, ln1.eps)
+            a = attn.forward_fused(h, shape, ctx, cache_layer, kernels)
+        done = (triton_layer.norm_gate_up_silu(x, a, ln2.weight, ln2.eps, mlp.gate_up.weight, mlp.gate_proj.out_features)
+                if short and mlp.gate_up.bias is None else None)
+        if done is not None:  # one kernel from the residual add to SiLU(gate) * up
+            x, act = done
+            return x, mlp.down_proj(act)
         x, h = kernels.add_rms_norm(x, a, ln2.weight, ln2.eps)
-        return x, self.mlp.forward_fused(h, kernels)
+        return x, mlp.forward_fused(h, kernels)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         if self.ops is not None and self.fusion_active():

@@ -109,7 +109,8 @@ args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate
 ref = Transformer(args, max_seq_len=64).eval()
 model = copy.deepcopy(ref)
 ref.fuse_for_inference(compile=False), model.fuse_for_inference(compile=False)
-import engine.triton_kernels as tk
+import engine.triton_kernels as tk, engine.triton_layer as tl_layer
+tl_layer.ENABLED = False  # this checks rope_kv_write, which the layer kernels would replace
 calls, real = [], tk.rope_kv_write
 tk.rope_kv_write = lambda *a: (lambda q: calls.append(q is not None) or q)(real(*a))
 caches = [m.new_cache(4, 64) for m in (ref, model)]
@@ -133,7 +134,8 @@ def test_rope_kv_write_matches_rope_then_write_in_the_interpreter(triton_interpr
 
 UNIFORM = """
 import torch
-import engine.triton_kernels as tk
+import engine.triton_kernels as tk, engine.triton_layer as tl_layer
+tl_layer.ENABLED = False  # this checks rope_kv_write, which the layer kernels would replace
 from engine.sampling import uniform_at
 torch.manual_seed(0)
 state = torch.stack([torch.randint(0, 2**32, (5,)), torch.tensor([0, 7, 2**32 - 3, 2**31, 123456])], 1)

@@ -1,0 +1,154 @@
+"""Two Triton kernels that do most of a fused decoder layer's short step (decode, draft and verify steps
+of at most `MAX_ROWS` token rows) in two launches instead of six:
+
+* `norm_qkv_rope_write`: the residual add, the input RMSNorm, the q|k|v projection, RoPE on q and k, and
+  k and v into the KV cache. One program per head (query, key or value; or per column block of both
+  of its halves, `CONFIG["c"]`): it normalizes the rows itself (they are a few KB), multiplies them by its
+  head's rows of the projection, rotates the two halves of a query or key head against each other, and writes the result where the next kernel reads it: the
+  queries to a new tensor, the keys and values into the cache at each token's position. It replaces
+  `add_rms_norm`, the q|k|v GEMM and `rope_kv_write`.
+* `norm_gate_up_silu`: the residual add after attention, the post-attention RMSNorm, the gate|up
+  projection and SiLU(gate) * up. One program per block of intermediate columns computes both its gate
+  and its up columns. It replaces `add_rms_norm`, the gate|up GEMM and `silu_mul`.
+
+The attention kernel, the output projection and the down projection stay as they were. Inside a CUDA
+graph a short step of a small model costs its kernels' latencies one after another; these cut the
+default model's decode step from 320 kernels to 200. On the H200 (bench/RESULTS.md, run 24) that is
+0.945 -> 0.903 ms a decode step and 1.004 -> 0.978 ms a 6-token verify pass: each kernel takes 6-7 us,
+about what the three it replaces took together (7.3 and 5.8 us), so the gain is the launches and gaps
+saved, not the arithmetic. The projections' weights are read by few programs (15 for q|k|v, 48 for
+gate|up), each streaming 74 KB; a split of the reduction over more programs is the next thing to try.
+At 48 rows no launch setting beat the separate kernels: `MAX_ROWS`.
+
+The arithmetic is the fused path's, rounding for rounding: the residual sum rounded to the model's
+dtype, fp32 statistics, the normalized row rounded before the weight multiplies it, the projections
+accumulated in fp32 and rounded to the dtype (as cuBLAS does), RoPE in fp32 from the rounded projection,
+SiLU rounded before it multiplies the up column. Only the order of the fp32 sums differs (a GEMM's
+tiling, the norm's reduction): the outputs agree with the unfused kernels to a few units in the last
+place of bf16, as different GEMM tilings do, and to 1e-6 in fp32.
+
+Each function returns None for a call it does not serve (biases, more rows than `MAX_ROWS`, an fp32
+model on the GPU where `tl.dot` would round to tf32, CPU tensors outside Triton's interpreter): the
+caller then runs the separate kernels as before. `ENABLED = False` (or FLASHSPEC_LAYER_KERNELS=0 in the
+environment) switches both off for A/B runs (`bench.round_profile --no-layer-kernels`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from engine.triton_kernels import _row_args, available, served
+
+ENABLED = os.environ.get("FLASHSPEC_LAYER_KERNELS", "1") != "0"
+# Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile, and on
+# the H200 both kernels beat the separate ones (bs 1 decode and verify steps, bs 8 decode steps); at 48 rows
+# (a bs 8 verify pass) no setting did (bench/RESULTS.md, run 24), so larger calls take the separate kernels.
+MAX_ROWS = 16
+
+
+def _config(text: str) -> dict[str, int]:
+    """The kernels' launch settings: k = features per step of the reduction (1024 and up: the whole row at
+    once), c = columns per half-head of a norm_qkv_rope_write program, g = intermediate columns per
+    norm_gate_up_silu program, w = warps, s = software pipeline stages. FLASHSPEC_LAYER_CONFIG="k=256,c=16"
+    overrides some (a tuning run: bench.round_profile --layer-sweep)."""
+    config = {"k": 128, "c": 32, "g": 32, "w": 8, "s": 3}  # the H200 sweep's best (run 24)
+    for item in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in config or not value.isdigit():
+            raise ValueError(f"FLASHSPEC_LAYER_CONFIG: {item!r} is not one of k=, c=, g=, w=, s= with a number")
+        config[key] = int(value)
+    return config
+
+
+CONFIG = _config(os.environ.get("FLASHSPEC_LAYER_CONFIG", ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    from engine import triton_layer_kernels as k
+
+    return k.norm_qkv_rope_kernel, k.norm_gate_up_kernel
+
+
+def _block_m(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())  # tl.dot's smallest tile is 16 rows
+
+
+def _block_k(hidden: int) -> int:
+    return min(CONFIG["k"], max(16, 1 << (hidden - 1).bit_length()))
+
+
+def _dtype_ok(*tensors: torch.Tensor) -> bool:
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        return False
+    # On the GPU fp32 operands of tl.dot would round to tf32: only the 16-bit types there.
+    allowed = (torch.bfloat16, torch.float16) if tensors[0].is_cuda else (torch.bfloat16, torch.float16, torch.float32)
+    return dtype in allowed
+
+
+def _residual_ok(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor) -> bool:
+    n, k = x.shape if x.dim() == 2 else (0, 0)
+    return (x.dim() == 2 and 0 < n <= MAX_ROWS and x.stride(1) == 1 and norm_weight.shape == (k,)
+            and norm_weight.is_contiguous() and (delta is None or (delta.shape == x.shape and delta.stride(1) == 1)))
+
+
+def norm_qkv_rope_write(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        w_qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, rows, input_pos: torch.Tensor, heads: int,
+                        kv_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x, delta (N, H): the residual stream and the previous layer's pending output (None: none), N = B*T
+    rows in (b, t) order; norm_weight (H,); w_qkv ((heads + 2 kv_heads) D, H), the fused projection without
+    a bias; cos, sin (N, D); k_cache/v_cache (R, kv_heads, S, D) of one layer whose slot is the position;
+    rows and input_pos (B, T) as `triton_kernels.kv_write`'s. Returns (x + delta, the rotated queries
+    (N, heads, D)) and writes the rotated keys and the values into the cache, as `add_rms_norm`, the q|k|v
+    GEMM and `rope_kv_write` do one after another. None for calls it does not serve."""
+    bsz, t = input_pos.shape
+    d = k_cache.shape[-1] if k_cache.dim() == 4 else 0
+    if (not ENABLED or not available() or not _residual_ok(x, delta, norm_weight) or d & (d - 1) or d < 32
+            or not served(x, norm_weight, w_qkv, cos, sin, k_cache, v_cache, input_pos)
+            or (delta is not None and not served(delta))
+            or not _dtype_ok(x, norm_weight, w_qkv, cos, sin, k_cache, v_cache, *(() if delta is None else (delta,)))
+            or x.shape[0] != bsz * t or w_qkv.shape != ((heads + 2 * kv_heads) * d, x.shape[1]) or w_qkv.stride(1) != 1
+            or cos.shape != (bsz * t, d) or sin.stride() != cos.stride() or k_cache.shape[1] != kv_heads
+            or v_cache.shape != k_cache.shape or input_pos.dtype not in (torch.int64, torch.int32)
+            or (isinstance(rows, torch.Tensor) and (not served(rows) or rows.shape != (bsz,)))):
+        return None
+    n, hidden = x.shape
+    res = x if delta is None else torch.empty_like(x)
+    q = torch.empty(n, heads, d, device=x.device, dtype=x.dtype)
+    row_ptr, row0, has_rows = _row_args(rows, input_pos)
+    dd = x if delta is None else delta
+    cols = min(CONFIG["c"], d // 2)
+    _kernels()[0][((heads + 2 * kv_heads) * (d // 2 // cols),)](
+        x, dd, res, norm_weight, w_qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
+        n, eps, x.stride(0), dd.stride(0), res.stride(0), w_qkv.stride(0), *cos.stride(), *q.stride(),
+        *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
+        K=hidden, HQ=heads, HKV=kv_heads, D=d, BLOCK_M=_block_m(n), BLOCK_K=_block_k(hidden), COLS=cols,
+        HAS_DELTA=delta is not None, HAS_ROWS=has_rows, num_warps=CONFIG["w"], num_stages=CONFIG["s"])
+    return res, q
+
+
+def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      w_gate_up: torch.Tensor, inter: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x, delta (N, H) as `norm_qkv_rope_write`'s; w_gate_up (2 inter, H), the fused gate|up projection
+    without a bias. Returns (x + delta, SiLU(gate) * up (N, inter)), as `add_rms_norm`, the gate|up GEMM
+    and `silu_mul` do one after another. None for calls it does not serve."""
+    if (not ENABLED or not available() or not _residual_ok(x, delta, norm_weight)
+            or not served(x, norm_weight, w_gate_up) or (delta is not None and not served(delta))
+            or not _dtype_ok(x, norm_weight, w_gate_up, *(() if delta is None else (delta,)))
+            or w_gate_up.shape != (2 * inter, x.shape[1]) or w_gate_up.stride(1) != 1):
+        return None
+    n, hidden = x.shape
+    res = x if delta is None else torch.empty_like(x)
+    out = torch.empty(n, inter, device=x.device, dtype=x.dtype)
+    dd = x if delta is None else delta
+    _kernels()[1][(-(-inter // CONFIG["g"]),)](
+        x, dd, res, norm_weight, w_gate_up, out, n, eps, x.stride(0), dd.stride(0), res.stride(0),
+        w_gate_up.stride(0), out.stride(0),
+        K=hidden, INTER=inter, BLOCK_M=_block_m(n), BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
+        HAS_DELTA=delta is not None, num_warps=CONFIG["w"], num_stages=CONFIG["s"])
+    return res, out

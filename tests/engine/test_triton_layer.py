@@ -1,0 +1,110 @@
+"""The layer kernels (engine/triton_layer.py) under Triton's CPU interpreter, where triton is installed;
+the GPU runs (bf16, CUDA graphs, the engine's tokens) are in tests/gpu/test_triton_layer_gpu.py. The
+interpreter rounds to bf16 by truncation, so bf16 is checked on the GPU only; fp16 and fp32 here."""
+
+import torch
+
+from engine import triton_layer
+
+
+def test_layer_kernels_decline_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x, w = torch.randn(2, 64), torch.randn(128, 64)
+    assert triton_layer.norm_gate_up_silu(x, None, torch.ones(64), 1e-5, w, 64) is None
+
+
+KERNELS = """
+import torch, torch.nn.functional as F
+from engine import triton_layer as TL
+from engine.fused import add_rms_norm, rms_norm, silu_mul
+from engine.rope import apply_rope_qk
+torch.manual_seed(0)
+H, HQ, HKV, D, R, S, I = 96, 3, 1, 32, 10, 40, 80  # H: not a multiple of the kernels' 64-feature steps
+for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
+    for b, t, rows, with_delta in ((1, 1, None, True), (1, 5, slice(2, 3), False), (2, 3, torch.tensor([7, 1]), True),
+                                   (8, 2, torch.randperm(R)[:8], True)):  # 16 rows: MAX_ROWS
+        n = b * t
+        x = torch.randn(n, H).to(dtype)
+        delta = torch.randn(n, H).to(dtype) if with_delta else None
+        nw = (1 + 0.1 * torch.randn(H)).to(dtype)
+        w = (torch.randn((HQ + 2 * HKV) * D, H) / H ** 0.5).to(dtype)
+        ang = torch.rand(n, D // 2) * 6
+        ang = torch.cat([ang, ang], -1)
+        cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+        kc, vc = torch.zeros(R, HKV, S, D, dtype=dtype), torch.zeros(R, HKV, S, D, dtype=dtype)
+        pos = torch.randint(0, S - t, (b, 1)) + torch.arange(t)
+        pos[0, -1] = S  # past the cache: not written
+        res, q = TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc, rows, pos, HQ, HKV)
+        want_res, h = (x, rms_norm(x, nw, 1e-5)) if delta is None else add_rms_norm(x, delta, nw, 1e-5)
+        qkv = F.linear(h, w)
+        qk = apply_rope_qk(qkv.float(), cos.float(), sin.float(), HQ + HKV, D)  # RoPE in fp32, as the kernel
+        assert torch.equal(res, want_res) if dtype == torch.float32 else torch.allclose(res, want_res, atol=1e-2)
+        torch.testing.assert_close(q.float(), qk[:, :HQ], atol=tol, rtol=tol)
+        r = torch.arange(b) if rows is None else (torch.arange(R)[rows] if isinstance(rows, slice) else rows)
+        for i in range(n):
+            p = int(pos[i // t, i % t])
+            if p < S:
+                torch.testing.assert_close(kc[r[i // t], :, p].float(), qk[i, HQ:], atol=tol, rtol=tol)
+                torch.testing.assert_close(vc[r[i // t], :, p].float(), qkv[i, (HQ + HKV) * D:].view(HKV, D).float(),
+                                           atol=tol, rtol=tol)
+        assert int((kc != 0).any(-1).sum()) == HKV * (n - 1) and int((vc != 0).any(-1).sum()) == HKV * (n - 1)
+        wg = (torch.randn(2 * I, H) / H ** 0.5).to(dtype)
+        res2, act = TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)
+        assert torch.equal(res2, res)
+        torch.testing.assert_close(act, silu_mul(F.linear(h, wg), I), atol=tol, rtol=tol)
+# What it does not serve: a projection of other heads, more rows than MAX_ROWS, an odd head size.
+assert TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc, rows, pos, HQ + 1, HKV) is None
+big = torch.randn(TL.MAX_ROWS + 1, H, dtype=dtype)  # more rows than it serves
+assert TL.norm_gate_up_silu(big, None, nw, 1e-5, wg, I) is None
+assert TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I + 1) is None
+print("ok")
+"""
+
+
+def test_layer_kernels_match_the_separate_kernels_in_the_interpreter(triton_interpreter):
+    triton_interpreter(KERNELS)
+
+
+MODEL = """
+import copy, torch
+import engine.triton_layer as TL
+from engine.config import ModelArgs
+from engine.model import Transformer
+torch.manual_seed(0)
+args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=3,
+                 num_heads=2, num_kv_heads=1, head_dim=32, max_position_embeddings=64)
+ref = Transformer(args, max_seq_len=64).eval()
+model = copy.deepcopy(ref)
+ref.fuse_for_inference(compile=False), model.fuse_for_inference(compile=False)
+calls = []
+for name in ("norm_qkv_rope_write", "norm_gate_up_silu"):
+    real = getattr(TL, name)
+    setattr(TL, name, lambda *a, real=real, name=name: (lambda out: calls.append((name, out is not None)) or out)(real(*a)))
+caches = [m.new_cache(4, 64) for m in (ref, model)]
+prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])  # 18 tokens: a prefill
+steps = [(prompt[:, :18], torch.arange(18)[None], slice(2, 3)),  # prefill: the separate kernels
+         (torch.tensor([[30]]), torch.tensor([[18]]), slice(2, 3)),  # a decode step
+         (torch.tensor([[31, 32, 33, 34, 35, 36]]), torch.arange(19, 25)[None], torch.tensor([2]))]  # a verify pass
+with torch.no_grad():
+    for tokens, pos, rows in steps:
+        calls.clear()
+        TL.ENABLED = True
+        got = model(tokens, pos, cache=caches[1], rows=rows, kv_len=32).logits
+        took = list(calls)
+        TL.ENABLED = False
+        want = ref(tokens, pos, cache=caches[0], rows=rows, kv_len=32).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        if tokens.shape[1] > 16:
+            assert took == [], took  # a prefill runs the separate kernels
+        else:
+            assert took == [("norm_qkv_rope_write", True), ("norm_gate_up_silu", True)] * 3, took
+        for layer in range(3):
+            torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer], atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+def test_fused_model_takes_the_layer_kernels_on_short_steps_in_the_interpreter(triton_interpreter):
+    triton_interpreter(MODEL)

@@ -1,0 +1,135 @@
+"""engine/triton_layer.py on the GPU, in bf16: the layer kernels against the separate kernels they replace,
+inside a CUDA graph, and in the engine (graphs and eager give the same tokens with them). The SmolLM2
+shapes (576 features, 9 query and 3 key/value heads of 64, 1,536 intermediate). Skipped without CUDA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import triton_kernels, triton_layer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+if not triton_kernels.available():
+    pytestmark.append(pytest.mark.skip(reason="needs the triton package"))
+
+H, HQ, HKV, D, I, S = 576, 9, 3, 64, 1536, 256
+
+
+def _inputs(n, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *shape, scale=1.0: (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)  # noqa: E731
+    ang = torch.rand(n, D // 2, device="cuda", generator=g) * 6
+    ang = torch.cat([ang, ang], -1)
+    return dict(x=rnd(n, H), delta=rnd(n, H), nw=1 + rnd(H, scale=0.1), w=rnd((HQ + 2 * HKV) * D, H, scale=H ** -0.5),
+                wg=rnd(2 * I, H, scale=H ** -0.5), cos=ang.cos().to(dtype), sin=ang.sin().to(dtype))
+
+
+def _separate(t, rows, pos, kc, vc):
+    """What the fused path ran before the layer kernels: add_rms_norm, the GEMMs, rope_kv_write, silu_mul."""
+    from engine.fused import add_rms_norm, silu_mul
+
+    res, h = add_rms_norm(t["x"], t["delta"], t["nw"], 1e-5)
+    q = triton_kernels.rope_kv_write(F.linear(h, t["w"]), t["cos"], t["sin"], kc, vc, rows, pos, HQ, HKV)
+    return res, q, silu_mul(F.linear(h, t["wg"]), I)
+
+
+@pytest.mark.parametrize("rows", [None, "slice", "index"])
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 6), (8, 1), (8, 2)])
+def test_layer_kernels_equal_the_separate_kernels_in_bf16(rows, b, t):
+    n, dtype = b * t, torch.bfloat16
+    inp = _inputs(n, dtype, b * 10 + t)
+    rows = {None: None, "slice": slice(2, 2 + b), "index": torch.randperm(10, device="cuda")[:b]}[rows]
+    pos = torch.randint(0, S - t, (b, 1), device="cuda") + torch.arange(t, device="cuda")
+    caches = [(torch.zeros(10, HKV, S, D, device="cuda", dtype=dtype), torch.zeros(10, HKV, S, D, device="cuda", dtype=dtype))
+              for _ in range(2)]
+    want_res, want_q, want_act = _separate(inp, rows, pos, *caches[0])
+    res, q = triton_layer.norm_qkv_rope_write(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["w"], inp["cos"], inp["sin"],
+                                              *caches[1], rows, pos, HQ, HKV)
+    res2, act = triton_layer.norm_gate_up_silu(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["wg"], I)
+    assert torch.equal(res, want_res) and torch.equal(res2, want_res)  # the residual sum: the same rounding
+    # The projections: fp32 sums in another order, rounded to bf16 -> at most a few units in the last place.
+    for got, want in ((q, want_q), (caches[1][0], caches[0][0]), (caches[1][1], caches[0][1]), (act, want_act)):
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        assert (got == want).float().mean() > 0.9, (got == want).float().mean()
+
+
+def test_a_bs_8_verify_pass_takes_the_separate_kernels():
+    """48 rows: no launch setting beat the separate kernels there on the H200 (run 24)."""
+    inp = _inputs(48, torch.bfloat16, 3)
+    assert triton_layer.norm_gate_up_silu(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["wg"], I) is None
+
+
+def test_layer_kernels_inside_a_cuda_graph():
+    inp = _inputs(6, torch.bfloat16, 7)
+    kc, vc = torch.zeros(1, HKV, S, D, device="cuda", dtype=torch.bfloat16), torch.zeros(1, HKV, S, D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(10, 16, device="cuda")[None]
+
+    def fn():
+        res, q = triton_layer.norm_qkv_rope_write(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["w"], inp["cos"],
+                                                  inp["sin"], kc, vc, None, pos, HQ, HKV)
+        return res, q, triton_layer.norm_gate_up_silu(res, q.new_zeros(res.shape), inp["nw"], 1e-5, inp["wg"], I)[1]
+
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for key in ("x", "delta"):
+        inp[key].copy_(torch.randn_like(inp[key]))
+    pos.add_(50)
+    graph.replay()
+    want = fn()
+    for got, ref in zip(out, want):
+        assert torch.equal(got, ref)
+    assert kc[0, :, 60:66].any()
+
+
+def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
+    """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short step takes both kernels on each
+    layer, the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs
+    give eager's tokens, plain decoding and speculative rounds alike."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.config import ModelArgs
+    from engine.fused import fuse_for_inference
+    from engine.generate import generate
+    from engine.model import Transformer
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=512, hidden_size=H, intermediate_size=I, num_layers=4,
+                     num_heads=HQ, num_kv_heads=HKV, head_dim=D, max_position_embeddings=512)
+    with torch.device("cuda"):
+        model = Transformer(args, max_seq_len=512)
+    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model.fuse_for_inference(compile=True)
+    calls = []
+    for name in ("norm_qkv_rope_write", "norm_gate_up_silu"):
+        real = getattr(triton_layer, name)
+        monkeypatch.setattr(triton_layer, name,
+                            lambda *a, real=real, name=name: (lambda out: calls.append(out is not None) or out)(real(*a)))
+    cache = model.new_cache(1, 512)
+    tokens, pos = torch.tensor([[5, 6, 7, 8, 9, 10]], device="cuda"), torch.arange(40, 46, device="cuda")[None]
+    with torch.no_grad():
+        got = model(tokens, pos, cache=cache, kv_len=64).logits.float()
+        assert calls == [True] * 8, calls
+        monkeypatch.setattr(triton_layer, "ENABLED", False)
+        want = model(tokens, pos, cache=model.new_cache(1, 512), kv_len=64).logits.float()
+        monkeypatch.setattr(triton_layer, "ENABLED", True)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep"))
+    draft.init_from_target()
+    draft = draft.to(torch.bfloat16)
+    fuse_for_inference(draft, compile=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_new_tokens=24, eos_token_ids=())
+    outs = {}
+    for graphs in (False, True):
+        for name, d in (("ar", None), ("spec", "d")):
+            eng = DecodeEngine(model, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
+            eng.add_draft("d", draft)
+            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+    assert outs[(True, "ar")] == outs[(False, "ar")]
+    assert outs[(True, "spec")] == outs[(False, "spec")]
