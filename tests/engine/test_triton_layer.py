@@ -52,7 +52,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         res2, act = TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)
         assert torch.equal(res2, res)
         torch.testing.assert_close(act, silu_mul(F.linear(h, wg), I), atol=tol, rtol=tol)
-# What it does not serve: a projection of other heads, more rows than MAX_ROWS, an odd head size.
+# What it does not serve: a projection of other heads, more rows than MAX_ROWS, a gate|up of another width.
 assert TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc, rows, pos, HQ + 1, HKV) is None
 big = torch.randn(TL.MAX_ROWS + 1, H, dtype=dtype)  # more rows than it serves
 assert TL.norm_gate_up_silu(big, None, nw, 1e-5, wg, I) is None
