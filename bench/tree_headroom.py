@@ -11,8 +11,19 @@ the draft's second to k-th choice where its first choice is wrong. This script m
 the first drafted position, where the draft has the target's true features (as in a round's first step):
 it decodes the target's greedy replies to held-out prompts, runs the target and the draft teacher-forced
 over prompt + reply, and reports for each k the fraction of reply positions whose target argmax is in
-the draft's top k (k = 1 is the chain's first-position acceptance). Deeper positions need the draft's
-own proxies along each branch: not measured here.
+the draft's top k (k = 1 is the chain's first-position acceptance).
+
+    python -m bench.tree_headroom --domain code --trees "1,1,1,1,1;4,1,1,1,1;2,2,1,1,1"
+
+`--trees` also plays whole greedy rounds of static trees over the same replies: a tree "4,1,1,1,1"
+takes the draft's 4 best tokens at the first drafted position and 1 at each of the 4 after (4 chains of
+5, 20 nodes); "1,1,1,1,1" is the engine's gamma-5 chain, a check of the simulation against the engine's
+own rounds (their count printed beside it). Every node is drafted as the engine drafts a chain's token: the target's
+trunk on the node's path, the adapters over the context with the target's true features and over the
+path with the draft's own proxies (`DraftModel.forward_train`, no cache). The path matching the reply
+longest is accepted, then the target's next token, so the rounds are the ones the engine would play
+with such a tree (greedy output is the reply either way). Reports tokens a round and nodes verified a
+round.
 """
 
 from __future__ import annotations
@@ -48,6 +59,79 @@ def top_k_coverage(target, draft, sequences: list[list[int]], starts: list[int],
     return {k: hits[k] / max(count, 1) for k in ks}
 
 
+@torch.no_grad()
+def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list[int],
+                         branching: tuple[int, ...]) -> dict[str, float]:
+    """Greedy rounds of a static tree (`branching[d]` candidates under each node at depth d) over known
+    greedy replies: sequences[i][starts[i]] is the first reply token (the prefill's), each round drafts from
+    the pending token, accepts the longest matching path and takes the next reply token after it. ->
+    {"rounds", "tokens" (produced by rounds), "tokens_per_round", "nodes_per_round"}."""
+    from training.distill import _shift, target_states
+
+    device = target.embed_tokens.weight.device
+    deep = draft.feature_input == "deep"
+    rounds = produced = 0
+    nodes = sum(int(torch.tensor(branching[: d + 1]).prod()) for d in range(len(branching)))
+
+    def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+        top = scores.topk(k, dim=-1).indices
+        return top if draft.vocab_ids is None else draft.vocab_ids[top]
+
+    for seq, start in zip(sequences, starts):
+        tokens = torch.tensor([seq], device=device)
+        trunk, final, captured = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
+        feats = _shift(draft.target_features(final, captured)) if deep else None
+        pos = torch.arange(len(seq), device=device)[None]
+        root_scores, root_out = draft.forward_train(trunk, feats, pos)  # the first drafted token, every position
+        t = start
+        while t < len(seq) - 1:
+            # Depth 1: the root's candidates. A level: paths (n, d) of drafted tokens, their proxies (n, d, H).
+            paths = best(root_scores[0, t], branching[0])[:, None]
+            proxies = draft.proxy_feature(root_out[0, t])[None, None].expand(len(paths), 1, -1)
+            levels = [paths]
+            for width in branching[1:]:
+                n, d = paths.shape
+                seq_in = torch.cat([tokens[:, : t + 1].expand(n, -1), paths], dim=1)  # (n, t + 1 + d)
+                p = torch.arange(t + 1 + d, device=device)[None].expand(n, -1)
+                tr = target(seq_in, p, layers=range(0, draft.shared_layers)).hidden
+                f = torch.cat([feats[:, : t + 1].expand(n, -1, -1), proxies.to(feats.dtype)], dim=1) if deep else None
+                scores, out = draft.forward_train(tr, f, p)
+                children = best(scores[:, -1], width)  # (n, width)
+                paths = torch.cat([paths.repeat_interleave(width, 0), children.reshape(-1, 1)], dim=1)
+                proxies = torch.cat([proxies, draft.proxy_feature(out[:, -1])[:, None]], dim=1).repeat_interleave(width, 0)
+                levels.append(paths)
+            # The longest path matching the reply: at each depth, does any node continue the match?
+            accepted = 0
+            for d, level in enumerate(levels):
+                if t + 1 + d >= len(seq):
+                    break
+                want = torch.tensor(seq[t + 1 : t + 2 + d], device=device)
+                if not bool((level == want).all(-1).any()):
+                    break
+                accepted = d + 1
+            step = min(accepted + 1, len(seq) - 1 - t)
+            rounds += 1
+            produced += step
+            t += step
+    return {"rounds": rounds, "tokens": produced, "tokens_per_round": produced / max(rounds, 1),
+            "nodes_per_round": nodes}
+
+
+def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], tokens: int, gamma: int) -> int:
+    """How many greedy gamma-chain rounds the engine itself plays on these prompts (its last round of a
+    request may produce tokens past the limit, which it drops: compare rounds, not tokens a round)."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    eng = DecodeEngine(model, tokenizer, max_batch_size=4, max_seq_len=max(map(len, prompts)) + tokens + gamma + 8,
+                       spec=SpecConfig(gamma, gamma))
+    eng.add_draft("d", draft)
+    outs = generate(eng, prompts, SamplingParams(max_new_tokens=tokens, eos_token_ids=()), "d")
+    return sum(o.stats.rounds for o in outs)
+
+
 def main(argv: list[str] | None = None) -> None:
     from bench.gpu import load_drafts
     from engine.generate import generate
@@ -63,11 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=64, help="greedy reply tokens per prompt")
     parser.add_argument("--split", default="validation")
     parser.add_argument("--ks", default="1,2,3,4,8")
+    parser.add_argument("--trees", default="",
+                        help="static trees to play whole rounds of, ';'-separated branching lists, e.g. '1,1,1,1,1;4,1,1,1,1'")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     ks = tuple(sorted(int(k) for k in args.ks.split(",")))
     if not ks or ks[0] < 1:
         raise SystemExit(f"--ks {args.ks!r}: give positive integers, e.g. --ks 1,2,4")
+    trees = [tuple(int(b) for b in tree.split(",")) for tree in filter(None, args.trees.split(";"))]
+    if any(not tree or min(tree) < 1 for tree in trees):
+        raise SystemExit(f"--trees {args.trees!r}: give branching lists of positive integers, e.g. '1,1,1,1,1;4,1,1,1,1'")
     loaded = load_model("default", device=args.device)
     drafts = load_drafts(args.drafts, loaded.model)
     if args.domain not in drafts:
@@ -79,7 +168,15 @@ def main(argv: list[str] | None = None) -> None:
     sequences = [p + r.token_ids for p, r in zip(prompts, replies)]
     got = top_k_coverage(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], ks)
     print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),
-                      "reply_tokens": args.tokens, "first_position_top_k": {str(k): round(v, 4) for k, v in got.items()}}))
+                      "reply_tokens": args.tokens, "first_position_top_k": {str(k): round(v, 4) for k, v in got.items()}}),
+          flush=True)
+    for tree in trees:
+        sim = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], tree)
+        row = {"tree": ",".join(map(str, tree)), **{k: round(v, 4) for k, v in sim.items()}}
+        if all(b == 1 for b in tree):  # a chain: the engine's own rounds beside it
+            row["engine_rounds"] = engine_chain_rounds(loaded.model, loaded.tokenizer, drafts[args.domain], prompts,
+                                                       args.tokens, len(tree))
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
