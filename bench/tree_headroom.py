@@ -1,29 +1,28 @@
-"""What a draft tree that branches at the first drafted position could recover, greedy: how often the
-target's next token is among the draft's top k there.
+"""What a draft tree could recover, greedy: how often the target's next token is among the draft's top k
+at the first drafted position, and whole rounds of static trees played over the target's replies.
 
     python -m bench.tree_headroom --domain code --prompts 16 --tokens 64 --ks 1,2,3,4,8
-
-The engine drafts a chain: one candidate a position, verified in one pass. A tree drafts k candidates at
-a position (and chains after each) and verifies them all in the same pass, with a mask that lets each
-node see only its own ancestors; at batch 1 on the GPU a pass over 20 tokens costs about what one over 6
-does (bench/RESULTS.md, the kernel tables). Whether that pays depends on how often the target's token is
-the draft's second to k-th choice where its first choice is wrong. This script measures exactly that at
-the first drafted position, where the draft has the target's true features (as in a round's first step):
-it decodes the target's greedy replies to held-out prompts, runs the target and the draft teacher-forced
-over prompt + reply, and reports for each k the fraction of reply positions whose target argmax is in
-the draft's top k (k = 1 is the chain's first-position acceptance).
-
     python -m bench.tree_headroom --domain code --trees "1,1,1,1,1;4,1,1,1,1;2,2,1,1,1"
 
-`--trees` also plays whole greedy rounds of static trees over the same replies: a tree "4,1,1,1,1"
-takes the draft's 4 best tokens at the first drafted position and 1 at each of the 4 after (4 chains of
-5, 20 nodes); "1,1,1,1,1" is the engine's gamma-5 chain, a check of the simulation against the engine's
-own rounds (their count printed beside it). Every node is drafted as the engine drafts a chain's token: the target's
-trunk on the node's path, the adapters over the context with the target's true features and over the
-path with the draft's own proxies (`DraftModel.forward_train`, no cache). The path matching the reply
-longest is accepted, then the target's next token, so the rounds are the ones the engine would play
-with such a tree (greedy output is the reply either way). Reports tokens a round and nodes verified a
-round.
+The engine drafts a chain: one candidate a position, verified in one pass. A tree drafts several
+candidates at a position (and chains after each) and verifies them all in the same pass, with a mask that
+lets each node see only its ancestors. On the H200 a step's cost hardly depends on its tokens: a pass
+over 48 token rows took 1.13 ms against 1.00 ms for 6 (bench/RESULTS.md, run 24's kernel table). Whether
+a tree pays depends on how often the target's token is the draft's second to k-th choice.
+
+The first measurement takes the first drafted position, where the draft has the target's true features
+(as in a round's first step): it decodes the target's greedy replies to held-out prompts, runs the
+target and the draft teacher-forced over prompt + reply, and reports for each k the fraction of reply
+positions whose target argmax is in the draft's top k (k = 1: the chain's first-position acceptance).
+
+`--trees` plays whole greedy rounds of static trees over the same replies. A tree "4,1,1,1,1" takes the
+draft's 4 best tokens at the first drafted position and its best at each of the 4 after (4 chains of 5,
+20 nodes); "1,1,1,1,1" is the engine's gamma-5 chain, and the engine's own round count is printed beside
+it as a check of the simulation. Every node is drafted as the engine drafts a chain's token: the
+target's trunk on the node's path, the adapters over the context with the target's true features and
+over the path with the draft's own proxies (`DraftModel.forward_train`, no cache). The path that matches
+the reply longest is accepted, then the target's next token: the rounds the engine would play with such
+a tree (greedy output is the reply either way). Reports tokens a round and nodes verified a round.
 """
 
 from __future__ import annotations
