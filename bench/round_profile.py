@@ -197,7 +197,6 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6, 48), top: int 
     the step's CUDA-graph replay time, with neither engine.triton_kernels nor engine.triton_layer, with the
     small kernels only, and with both (the default). Every replay time is taken before the profiler's first
     run: it leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
-    from engine import triton_layer
     from engine.loading import load_model
     from engine.triton_kernels import argmax
 

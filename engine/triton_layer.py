@@ -43,9 +43,9 @@ import torch
 from engine.triton_kernels import _row_args, available, served
 
 ENABLED = os.environ.get("FLASHSPEC_LAYER_KERNELS", "1") != "0"
-# Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile, and on
-# the H200 both kernels beat the separate ones (bs 1 decode and verify steps, bs 8 decode steps); at 48 rows
-# (a bs 8 verify pass) no setting did (bench/RESULTS.md, run 24), so larger calls take the separate kernels.
+# Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile; on the
+# H200 both kernels beat the separate ones at 1 and 6 rows (bs 1 decode and verify steps; bs 8 decode steps
+# run that tile too, not timed) and no setting did at 48 (a bs 8 verify pass; bench/RESULTS.md, run 24).
 MAX_ROWS = 16
 
 
@@ -60,6 +60,12 @@ def _config(text: str) -> dict[str, int]:
         if key not in config or not value.isdigit():
             raise ValueError(f"FLASHSPEC_LAYER_CONFIG: {item!r} is not one of k=, c=, g=, w=, s= with a number")
         config[key] = int(value)
+    for key in "kcgw":  # tile sizes and warps: powers of two; tl.dot's tiles at least 16 wide
+        low = 1 if key == "w" else 16
+        if config[key] < low or config[key] & (config[key] - 1):
+            raise ValueError(f"FLASHSPEC_LAYER_CONFIG: {key}={config[key]} must be a power of two >= {low}")
+    if config["s"] < 1:
+        raise ValueError("FLASHSPEC_LAYER_CONFIG: s (pipeline stages) must be >= 1")
     return config
 
 

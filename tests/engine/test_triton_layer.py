@@ -2,6 +2,7 @@
 the GPU runs (bf16, CUDA graphs, the engine's tokens) are in tests/gpu/test_triton_layer_gpu.py. The
 interpreter rounds to bf16 by truncation, so bf16 is checked on the GPU only; fp16 and fp32 here."""
 
+import pytest
 import torch
 
 from engine import triton_layer
@@ -108,3 +109,12 @@ print("ok")
 
 def test_fused_model_takes_the_layer_kernels_on_short_steps_in_the_interpreter(triton_interpreter):
     triton_interpreter(MODEL)
+
+
+def test_launch_settings_parse_and_refuse_what_the_kernels_cannot_run():
+    assert triton_layer._config("") == {"k": 128, "c": 32, "g": 32, "w": 8, "s": 3}
+    assert triton_layer._config(" k=256, c=16 ") == {"k": 256, "c": 16, "g": 32, "w": 8, "s": 3}
+    for bad, words in (("k=100", "power of two"), ("c=8", "power of two >= 16"), ("x=1", "one of k="),
+                       ("s=0", "stages"), ("w=three", "one of k=")):
+        with pytest.raises(ValueError, match=words):
+            triton_layer._config(bad)
