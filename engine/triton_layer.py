@@ -1,5 +1,6 @@
 """Two Triton kernels that do most of a fused decoder layer's short step (decode, draft and verify steps
-of at most `MAX_ROWS` token rows) in two launches instead of six:
+of at most `MAX_ROWS` token rows; the model calls them for batch-1 steps only, see
+`DecoderLayer.forward_fused`) in two launches instead of six:
 
 * `norm_qkv_rope_write`: the residual add, the input RMSNorm, the q|k|v projection, RoPE on q and k, and
   k and v into the KV cache. One program per head (query, key or value; or per column block of both

@@ -85,7 +85,8 @@ caches = [m.new_cache(4, 64) for m in (ref, model)]
 prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])  # 18 tokens: a prefill
 steps = [(prompt[:, :18], torch.arange(18)[None], slice(2, 3)),  # prefill: the separate kernels
          (torch.tensor([[30]]), torch.tensor([[18]]), slice(2, 3)),  # a decode step
-         (torch.tensor([[31, 32, 33, 34, 35, 36]]), torch.arange(19, 25)[None], torch.tensor([2]))]  # a verify pass
+         (torch.tensor([[31, 32, 33, 34, 35, 36]]), torch.arange(19, 25)[None], torch.tensor([2])),  # a verify pass
+         (torch.tensor([[40], [41]]), torch.tensor([[25], [3]]), torch.tensor([2, 0]))]  # batch 2: the separate kernels
 with torch.no_grad():
     for tokens, pos, rows in steps:
         calls.clear()
@@ -96,8 +97,8 @@ with torch.no_grad():
         want = ref(tokens, pos, cache=caches[0], rows=rows, kv_len=32).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        if tokens.shape[1] > 16:
-            assert took == [], took  # a prefill runs the separate kernels
+        if tokens.shape[1] > 16 or tokens.shape[0] > 1:
+            assert took == [], took  # a prefill, or a batch of more than one, runs the separate kernels
         else:
             assert took == [("norm_qkv_rope_write", True), ("norm_gate_up_silu", True)] * 3, took
         for layer in range(3):

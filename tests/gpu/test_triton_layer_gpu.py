@@ -84,9 +84,9 @@ def test_layer_kernels_inside_a_cuda_graph():
 
 
 def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
-    """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short step takes both kernels on each
-    layer, the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs
-    give eager's tokens, plain decoding and speculative rounds alike."""
+    """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short batch-1 step takes both kernels on
+    each layer, the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA
+    graphs give eager's tokens, plain decoding and speculative rounds alike."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
     from engine.config import ModelArgs
@@ -128,7 +128,8 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
     outs = {}
     for graphs in (False, True):
         for name, d in (("ar", None), ("spec", "d")):
-            eng = DecodeEngine(model, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
+            # Batch 1: the layer kernels serve batch-1 steps only (engine/model.py).
+            eng = DecodeEngine(model, None, max_batch_size=1, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
             eng.add_draft("d", draft)
             outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
     assert outs[(True, "ar")] == outs[(False, "ar")]
