@@ -33,22 +33,49 @@ def expected_acceptance(target, draft, sequences: list[list[int]], starts: list[
 
 
 @torch.no_grad()
+def teacher_forced(target, draft, tokens: torch.Tensor):
+    """The draft's first drafted step at every position of `tokens` (1, T), with the target's true features
+    (as in a round's first step): -> (trunk (1, T, H), features (1, T, H) or None, positions (1, T), scores
+    (1, T, K or V), adapter outputs (1, T, H))."""
+    from training.distill import _shift, target_states
+
+    trunk, final, captured = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
+    feats = _shift(draft.target_features(final, captured)) if draft.feature_input == "deep" else None
+    pos = torch.arange(tokens.shape[1], device=tokens.device)[None]
+    scores, out = draft.forward_train(trunk, feats, pos)
+    return trunk, feats, pos, scores, out
+
+
+def target_replies(model, tokenizer, prompts: list[list[int]], tokens: int,
+                   temperature: float | None = None) -> list[list[int]]:
+    """prompt + the target's own reply of `tokens` tokens, per prompt: greedy (temperature None) or sampled
+    at `temperature` with seed i for prompt i."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    eng = DecodeEngine(model, tokenizer, max_batch_size=4, max_seq_len=max(map(len, prompts)) + tokens + 8)
+    if temperature is None:
+        params = SamplingParams(max_new_tokens=tokens, eos_token_ids=())
+    else:
+        params = [SamplingParams(max_new_tokens=tokens, temperature=temperature, seed=i, eos_token_ids=())
+                  for i in range(len(prompts))]
+    return [p + r.token_ids for p, r in zip(prompts, generate(eng, prompts, params))]
+
+
+@torch.no_grad()
 def first_position_stats(target, draft, sequences: list[list[int]], starts: list[int], taus: tuple[float, ...],
                          temperature: float = 1.0) -> tuple[dict[float, float], float]:
     """(`expected_acceptance`, the mean target mass p_t(V) on the draft's vocabulary V): the second bounds
     the first at every tau, since a draft can only propose tokens of V (1 for a full-vocabulary head)."""
-    from training.distill import _shift, target_states
-
     totals = {tau: 0.0 for tau in taus}
     count, mass = 0, 0.0
     device = target.embed_tokens.weight.device
     for seq, start in zip(sequences, starts):
         tokens = torch.tensor([seq], device=device)
-        trunk, final, captured = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
-        pos = torch.arange(len(seq), device=device)[None]
+        _, _, pos, scores, _ = teacher_forced(target, draft, tokens)
         p = F.softmax(target(tokens, pos).logits[0, start - 1:-1].float() / temperature, dim=-1)  # predicts seq[start:]
-        feats = _shift(draft.target_features(final, captured)) if draft.feature_input == "deep" else None
-        scores = draft.forward_train(trunk, feats, pos)[0][0, start - 1:-1].float()  # (n, K)
+        scores = scores[0, start - 1:-1].float()  # (n, K)
         p_sub = p if draft.vocab_ids is None else p[:, draft.vocab_ids]
         for tau in taus:
             q_sub = F.softmax(scores / tau, dim=-1)
@@ -60,10 +87,7 @@ def first_position_stats(target, draft, sequences: list[list[int]], starts: list
 
 def main(argv: list[str] | None = None) -> None:
     from bench.gpu import load_drafts
-    from engine.generate import generate
     from engine.loading import load_model
-    from engine.sampling import SamplingParams
-    from engine.scheduler import DecodeEngine
     from training.evaluate import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,12 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     loaded = load_model("default", device=args.device)
     draft = load_drafts(args.drafts, loaded.model)[args.domain]
     prompts = held_out_prompts(args.domain, loaded.tokenizer, args.prompts, args.split)
-    eng = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=4,
-                       max_seq_len=max(map(len, prompts)) + args.tokens + 8)
-    params = [SamplingParams(max_new_tokens=args.tokens, temperature=args.temperature, seed=i, eos_token_ids=())
-              for i in range(len(prompts))]
-    replies = generate(eng, prompts, params)
-    sequences = [p + r.token_ids for p, r in zip(prompts, replies)]
+    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens, args.temperature)
     result, mass = first_position_stats(loaded.model, draft, sequences, [len(p) for p in prompts], taus,
                                         args.temperature)
     print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),

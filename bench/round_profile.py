@@ -195,7 +195,8 @@ def kernel_table(attention: str, tokens: tuple[int, ...] = (1, 6, 48), top: int 
     """One fused decode step (and verify-sized passes: 6 tokens of one row, 6 of 8 rows as 48) of the default
     model by CUDA kernel: count, GPU time each kernel type took in one eager run (torch.profiler), against
     the step's CUDA-graph replay time, with neither engine.triton_kernels nor engine.triton_layer, with the
-    small kernels only, and with both (the default). Every replay time is taken before the profiler's first
+    small kernels only, and with both (the default; the layer kernels serve batch-1 steps only, so the
+    48-token pass of 8 rows runs the small kernels in both of the last two). Every replay time is taken before the profiler's first
     run: it leaves CUPTI attached, which slows every graph launch after it (bench.gpu.graph_kernels)."""
     from engine.loading import load_model
     from engine.triton_kernels import argmax
@@ -248,7 +249,8 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
     kern = ops.select(1)
 
     def per_call_us(fn) -> float:
-        fn()
+        if fn() is None:  # a declined call launches nothing: its time would be the host's check alone
+            raise RuntimeError("engine.triton_layer declined a sweep call (the GPU, dtype or shapes)")
         graph = capture_graph(lambda: [fn() for _ in range(20)])
         return cuda_ms(graph.replay, 50) * 1000 / 20
 
@@ -270,7 +272,8 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
         base[n] = (per_call_us(qkv_sep), per_call_us(gate_sep))
     print(json.dumps({"separate_kernels_us": {n: [round(a, 2), round(b, 2)] for n, (a, b) in base.items()}}), flush=True)
     best, best_us = None, float("inf")
-    saved = dict(triton_layer.CONFIG)
+    saved, saved_rows = dict(triton_layer.CONFIG), triton_layer.MAX_ROWS
+    triton_layer.MAX_ROWS = max(rows)  # the sweep times the kernels past the rows they serve too (that set MAX_ROWS)
     for k, c, gb, warps, stages in itertools.product((128, 256, 1024), (16, 32), (16, 32), (4, 8), (1, 3)):
         triton_layer.CONFIG.update(k=k, c=c, g=gb, w=warps, s=stages)
         try:
@@ -288,6 +291,9 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
         if total < best_us:
             best, best_us = dict(triton_layer.CONFIG), total
     triton_layer.CONFIG.update(saved)
+    triton_layer.MAX_ROWS = saved_rows
+    if best is None:
+        raise SystemExit("bench.round_profile --layer-sweep: no launch setting ran (see the errors above)")
     line = ",".join(f"{key}={value}" for key, value in best.items())
     print(json.dumps({"best": line, "sum_to_6_us": round(best_us, 2),
                       "separate_sum_to_6_us": round(sum(a + b for n, (a, b) in base.items() if n <= 6), 2)}), flush=True)

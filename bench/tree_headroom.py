@@ -32,23 +32,21 @@ import json
 
 import torch
 
+from bench.draft_temperature import target_replies, teacher_forced
+
 
 @torch.no_grad()
 def top_k_coverage(target, draft, sequences: list[list[int]], starts: list[int], ks: tuple[int, ...]) -> dict[int, float]:
     """{k: mean over positions t >= start of [the target's argmax at t is among the draft's k best tokens]},
     the draft's first step with true features; tokens outside a draft's sub-vocabulary are never covered."""
-    from training.distill import _shift, target_states
-
     hits = {k: 0 for k in ks}
     count = 0
     device = target.embed_tokens.weight.device
     for seq, start in zip(sequences, starts):
         tokens = torch.tensor([seq], device=device)
-        trunk, final, captured = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
-        pos = torch.arange(len(seq), device=device)[None]
+        _, _, pos, scores, _ = teacher_forced(target, draft, tokens)
         want = target(tokens, pos).logits[0, start - 1:-1].float().argmax(-1)  # (n,): predicts seq[start:]
-        feats = _shift(draft.target_features(final, captured)) if draft.feature_input == "deep" else None
-        scores = draft.forward_train(trunk, feats, pos)[0][0, start - 1:-1].float()  # (n, K)
+        scores = scores[0, start - 1:-1].float()  # (n, K)
         order = scores.topk(min(max(ks), scores.shape[-1]), dim=-1).indices  # (n, k) indices into the head's vocab
         ids = order if draft.vocab_ids is None else draft.vocab_ids[order]
         found = ids == want[:, None]  # (n, k): at most one True a row
@@ -65,8 +63,6 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
     greedy replies: sequences[i][starts[i]] is the first reply token (the prefill's), each round drafts from
     the pending token, accepts the longest matching path and takes the next reply token after it. ->
     {"rounds", "tokens" (produced by rounds), "tokens_per_round", "nodes_per_round"}."""
-    from training.distill import _shift, target_states
-
     device = target.embed_tokens.weight.device
     deep = draft.feature_input == "deep"
     rounds = produced = 0
@@ -78,10 +74,7 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
 
     for seq, start in zip(sequences, starts):
         tokens = torch.tensor([seq], device=device)
-        trunk, final, captured = target_states(target, tokens, draft.shared_layers, draft.feature_layers)
-        feats = _shift(draft.target_features(final, captured)) if deep else None
-        pos = torch.arange(len(seq), device=device)[None]
-        root_scores, root_out = draft.forward_train(trunk, feats, pos)  # the first drafted token, every position
+        _, feats, _, root_scores, root_out = teacher_forced(target, draft, tokens)  # the first drafted token, every position
         t = start
         while t < len(seq) - 1:
             # Depth 1: the root's candidates. A level: paths (n, d) of drafted tokens, their proxies (n, d, H).
@@ -133,10 +126,7 @@ def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], token
 
 def main(argv: list[str] | None = None) -> None:
     from bench.gpu import load_drafts
-    from engine.generate import generate
     from engine.loading import load_model
-    from engine.sampling import SamplingParams
-    from engine.scheduler import DecodeEngine
     from training.evaluate import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -161,10 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.domain not in drafts:
         raise SystemExit(f"no {args.domain} draft under {args.drafts}: give --drafts a folder with {args.domain}/")
     prompts = held_out_prompts(args.domain, loaded.tokenizer, args.prompts, args.split)
-    eng = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=4,
-                       max_seq_len=max(map(len, prompts)) + args.tokens + 8)
-    replies = generate(eng, prompts, SamplingParams(max_new_tokens=args.tokens, eos_token_ids=()))
-    sequences = [p + r.token_ids for p, r in zip(prompts, replies)]
+    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
     got = top_k_coverage(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], ks)
     print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),
                       "reply_tokens": args.tokens, "first_position_top_k": {str(k): round(v, 4) for k, v in got.items()}}),

@@ -88,13 +88,26 @@ def _block_k(hidden: int) -> int:
     return min(CONFIG["k"], max(16, 1 << (hidden - 1).bit_length()))
 
 
-def _dtype_ok(*tensors: torch.Tensor) -> bool:
+def _dtype_ok(*tensors: torch.Tensor | None) -> bool:
+    tensors = tuple(t for t in tensors if t is not None)
     dtype = tensors[0].dtype
     if any(t.dtype != dtype for t in tensors):
         return False
     # On the GPU fp32 operands of tl.dot would round to tf32: only the 16-bit types there.
     allowed = (torch.bfloat16, torch.float16) if tensors[0].is_cuda else (torch.bfloat16, torch.float16, torch.float32)
     return dtype in allowed
+
+
+def _usable(*tensors: torch.Tensor | None) -> bool:
+    """The checks that decide most calls, first and cheapest: switched on, triton importable, the tensors
+    where the kernels run (CUDA; the CPU only under the interpreter). The CPU decode loop stops here."""
+    return ENABLED and available() and served(*(t for t in tensors if t is not None))
+
+
+def _residual_outputs(x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(where the kernel writes x + delta: x itself when there is no delta, else a new tensor; the kernel's
+    DELTA argument: the delta, or x, unread, when there is none)."""
+    return (x, x) if delta is None else (torch.empty_like(x), delta)
 
 
 def _residual_ok(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor) -> bool:
@@ -113,22 +126,21 @@ def norm_qkv_rope_write(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
     rows and input_pos (B, T) as `triton_kernels.kv_write`'s. Returns (x + delta, the rotated queries
     (N, heads, D)) and writes the rotated keys and the values into the cache, as `add_rms_norm`, the q|k|v
     GEMM and `rope_kv_write` do one after another. None for calls it does not serve."""
+    if not _usable(x, delta, norm_weight, w_qkv, cos, sin, k_cache, v_cache, input_pos):
+        return None
     bsz, t = input_pos.shape
     d = k_cache.shape[-1] if k_cache.dim() == 4 else 0
-    if (not ENABLED or not available() or not _residual_ok(x, delta, norm_weight) or d & (d - 1) or d < 32
-            or not served(x, norm_weight, w_qkv, cos, sin, k_cache, v_cache, input_pos)
-            or (delta is not None and not served(delta))
-            or not _dtype_ok(x, norm_weight, w_qkv, cos, sin, k_cache, v_cache, *(() if delta is None else (delta,)))
+    if (not _residual_ok(x, delta, norm_weight) or d & (d - 1) or d < 32
+            or not _dtype_ok(x, delta, norm_weight, w_qkv, cos, sin, k_cache, v_cache)
             or x.shape[0] != bsz * t or w_qkv.shape != ((heads + 2 * kv_heads) * d, x.shape[1]) or w_qkv.stride(1) != 1
             or cos.shape != (bsz * t, d) or sin.stride() != cos.stride() or k_cache.shape[1] != kv_heads
             or v_cache.shape != k_cache.shape or input_pos.dtype not in (torch.int64, torch.int32)
             or (isinstance(rows, torch.Tensor) and (not served(rows) or rows.shape != (bsz,)))):
         return None
     n, hidden = x.shape
-    res = x if delta is None else torch.empty_like(x)
+    res, dd = _residual_outputs(x, delta)
     q = torch.empty(n, heads, d, device=x.device, dtype=x.dtype)
     row_ptr, row0, has_rows = _row_args(rows, input_pos)
-    dd = x if delta is None else delta
     cols = min(CONFIG["c"], d // 2)
     _kernels()[0][((heads + 2 * kv_heads) * (d // 2 // cols),)](
         x, dd, res, norm_weight, w_qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
@@ -144,15 +156,15 @@ def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: 
     """x, delta (N, H) as `norm_qkv_rope_write`'s; w_gate_up (2 inter, H), the fused gate|up projection
     without a bias. Returns (x + delta, SiLU(gate) * up (N, inter)), as `add_rms_norm`, the gate|up GEMM
     and `silu_mul` do one after another. None for calls it does not serve."""
-    if (not ENABLED or not available() or not _residual_ok(x, delta, norm_weight)
-            or not served(x, norm_weight, w_gate_up) or (delta is not None and not served(delta))
-            or not _dtype_ok(x, norm_weight, w_gate_up, *(() if delta is None else (delta,)))
+    if not _usable(x, delta, norm_weight, w_gate_up):
+        return None
+    if (not _residual_ok(x, delta, norm_weight)
+            or not _dtype_ok(x, delta, norm_weight, w_gate_up)
             or w_gate_up.shape != (2 * inter, x.shape[1]) or w_gate_up.stride(1) != 1):
         return None
     n, hidden = x.shape
-    res = x if delta is None else torch.empty_like(x)
+    res, dd = _residual_outputs(x, delta)
     out = torch.empty(n, inter, device=x.device, dtype=x.dtype)
-    dd = x if delta is None else delta
     _kernels()[1][(-(-inter // CONFIG["g"]),)](
         x, dd, res, norm_weight, w_gate_up, out, n, eps, x.stride(0), dd.stride(0), res.stride(0),
         w_gate_up.stride(0), out.stride(0),

@@ -39,17 +39,8 @@ def test_top_k_coverage_is_exact_for_the_target_itself_and_grows_with_k(tiny):
         main(["--ks", "0"])
 
 
-def _replies(target, prompts, tokens):
-    from engine.generate import generate
-    from engine.sampling import SamplingParams
-    from engine.scheduler import DecodeEngine
-
-    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64)
-    return [p + r.token_ids for p, r in zip(prompts, generate(eng, prompts, SamplingParams(max_new_tokens=tokens,
-                                                                                          eos_token_ids=())))]
-
-
 def test_a_simulated_chain_plays_the_engine_s_rounds_and_a_wider_tree_accepts_more(tiny):
+    from bench.draft_temperature import target_replies
     from bench.tree_headroom import engine_chain_rounds, simulate_tree_rounds
 
     target = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
@@ -58,7 +49,7 @@ def test_a_simulated_chain_plays_the_engine_s_rounds_and_a_wider_tree_accepts_mo
     with torch.no_grad():  # the target's features matter: not an early exit any more
         draft.fuse.weight.add_(0.3 * torch.randn(draft.fuse.weight.shape, generator=torch.Generator().manual_seed(1)))
     prompts = [[1, 2, 3], [4, 0, 6, 2, 5], [7, 7, 1, 3]]
-    seqs = _replies(target, prompts, 30)
+    seqs = target_replies(target, None, prompts, 30)
     starts = [len(p) for p in prompts]
     chain = simulate_tree_rounds(target, draft, seqs, starts, (1, 1, 1, 1, 1))
     assert chain["tokens"] == 3 * 29 and chain["nodes_per_round"] == 5
