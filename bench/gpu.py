@@ -17,6 +17,7 @@ labelled as a projection. Tokens/s count new tokens over wall time, prefill incl
 again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
+--trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
 overlapped); --adaptive-gamma adds rows with
 `engine.gamma`'s controller, alone and with the governor, each also overlapped (`DecodeEngine(overlap=True)`;
@@ -272,10 +273,11 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=True, adaptive=False, overlap=False) -> "EngineRow":
-        """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`)."""
+                   reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1) -> "EngineRow":
+        """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
+        draft trees' width (greedy rounds of batch 1, `engine.tree`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                        mixed_round_graph, adaptive, overlap)
+                        mixed_round_graph, adaptive, overlap, tree)
         row.warm()
         return row
 
@@ -402,7 +404,7 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive, overlap=False) -> None:
+                 mixed_round_graph, adaptive, overlap=False, tree=1) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -418,7 +420,7 @@ class EngineRow:
         self.gov = SpeculationGovernor(enabled=governor) if governor else None
         self.controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
-                                spec=SpecConfig(gamma, block), governor=self.gov, mixed_round_graph=mixed_round_graph,
+                                spec=SpecConfig(gamma, block, tree_width=tree), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap)
         if drafts:
             for d, draft in drafts.items():
@@ -638,6 +640,12 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
                   lambda gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma, reference=ref,
                                                        overlap=True))
                  for gamma in bench.args.gammas]
+    for width in getattr(bench.args, "trees", ()):
+        rows += [(f"FlashSpec best drafts, gamma 5, tree width {width}{suffix}",
+                  lambda width=width: bench.engine_row(*workload, best, block=5, reference=ref, tree=width)),
+                 (f"FlashSpec best drafts, tree width {width}, adaptive gamma, governor, overlapped{suffix}",
+                  lambda width=width: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True,
+                                                       reference=ref, overlap=True, tree=width))]
     if bench.args.adaptive_gamma:
         rows += [(f"FlashSpec best drafts, adaptive gamma{suffix}",
                   lambda: bench.engine_row(*workload, best, block=5, adaptive=True, reference=ref)),
@@ -850,6 +858,9 @@ def main() -> None:
                         help="best-draft rows at these fixed gammas too (block = gamma: one verify a round), e.g. 3")
     parser.add_argument("--gammas-overlapped", action="store_true",
                         help="each --gammas row again with overlapped calls (DecodeEngine(overlap=True))")
+    parser.add_argument("--trees", default=(), type=lambda v: tuple(int(w) for w in v.split(",") if w),
+                        help="best-draft rows with draft trees of these widths (engine.tree; greedy rounds at batch 1), "
+                             "at gamma 5 and in the service's setting (adaptive gamma, governor, overlapped), e.g. 2,3,4")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),

@@ -69,7 +69,7 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         max_new_tokens: int = 256, gamma: int | tuple[int, ...] = 5, threads: int = 0, split: str = "test",
         blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1,
         temperature: float = 0.0, draft_temperatures: tuple[float | None, ...] = (None,),
-        full_vocab_draws: bool = False) -> list[dict]:
+        full_vocab_draws: bool = False, trees: tuple[int, ...] = (1,)) -> list[dict]:
     """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
 
     The passes interleave: AR, every FlashSpec row, AR, every FlashSpec row, ..., AR. Each FlashSpec
@@ -80,7 +80,8 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     temperature the draft samples its tokens at, each value a row (None = the request's temperature).
     Verification uses the distribution the draft sampled from, so every value is lossless; what changes
     is how often the target accepts. `full_vocab_draws` (sampled runs) adds each sampled row again with the
-    draft's tokens drawn over the whole vocabulary instead of its sub-vocabulary (`SpecConfig.sub_vocab_draws`)."""
+    draft's tokens drawn over the whole vocabulary instead of its sub-vocabulary (`SpecConfig.sub_vocab_draws`).
+    `trees`: draft-tree widths, each a row (1: the chain; wider trees apply to greedy rounds, `engine.tree`)."""
     import statistics
 
     from bench.prompts import held_out_prompts
@@ -110,17 +111,18 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         draft = load_bench_draft(spec, loaded.model)
         for g in gammas:
             # a block longer than gamma is one verify per round: block = gamma
-            for block, conf, dtemp, sub in dict.fromkeys(
-                    (min(b, g), c, t, s) for b in (blocks or (2, g)) for c in confidences for t in draft_temperatures
-                    for s in ((True, False) if full_vocab_draws else (True,))):
+            for block, conf, dtemp, sub, width in dict.fromkeys(
+                    (min(b, g), c, t, s, w) for b in (blocks or (2, g)) for c in confidences for t in draft_temperatures
+                    for s in ((True, False) if full_vocab_draws else (True,)) for w in trees):
                 engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
-                                      spec=SpecConfig(g, block, draft_confidence=conf, sub_vocab_draws=sub))
+                                      spec=SpecConfig(g, block, draft_confidence=conf, sub_vocab_draws=sub,
+                                                      tree_width=width))
                 engine.add_draft("d", draft)
                 name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
                         f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
                         f"K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
                         + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else "")
-                        + ("" if sub else " draws over the whole vocabulary"))
+                        + ("" if sub else " draws over the whole vocabulary") + (f" tree width {width}" if width > 1 else ""))
                 row_params = params if dtemp is None else dataclasses.replace(params, draft_temperature=dtemp)
                 configs.append((name, engine, row_params))
     ar_passes = [measure(ar_engine, prompts, params, None)]

@@ -48,8 +48,11 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One tensor for every layer's K and V (`move` touches all layers in two kernels); k[layer] and
+        # v[layer] are contiguous views of it.
+        self.storage = torch.zeros((2, num_layers, *shape), dtype=dtype, device=device)
+        self.k = list(self.storage[0])
+        self.v = list(self.storage[1])
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -99,6 +102,14 @@ class KVCache:
     def visibility(self, input_pos: torch.Tensor, rows: torch.Tensor | None, kv_len: int) -> torch.Tensor:
         """(B, 1, T, kv_len) bool mask for a pass writing at input_pos (B, T): slot == position."""
         return visibility_mask(input_pos, kv_len)
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K and V at slots src (B, n) of cache rows `rows` (B,) to slots dst (B, n) of the same
+        rows (all read before any is written: the two may overlap). A draft tree's accepted branch moves to
+        consecutive positions this way (`engine.tree`)."""
+        r = rows[:, None]
+        # Advanced indices split by a slice put their dims first: (B, n, 2, layers, H_kv, D).
+        self.storage[:, :, r, :, dst] = self.storage[:, :, r, :, src]
 
     def rollback(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
         """Set rows' committed lengths back (or forward); nothing is erased."""

@@ -76,7 +76,7 @@ class _FusableProjections(nn.Module):
 def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx: "StepContext",
                      cache_layer: int) -> torch.Tensor:
     """Attention of q (B, Hq, T, D) over the new k, v (B, Hkv, T, D) and, with a cache, everything cached:
-    k and v are written at ctx.input_pos first (k and v None: the caller wrote them already). Scattered cache
+    k and v are written at ctx.write_pos first (k and v None: the caller wrote them already). Scattered cache
     rows (an index tensor) are read in place by a backend that can (`attend_rows`: the Triton kernel),
     instead of gathering a copy of every row's keys and values each layer (on the H200 that copy was a
     quarter of a batch-8 round's kernel time)."""
@@ -84,8 +84,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
         return ctx.backend(q, k, v, ctx.mask)
     cache = ctx.cache
     if k is not None:
-        cache.write(cache_layer, ctx.rows, ctx.input_pos, k, v)
-    positions = ctx.input_pos if cache.slot_is_position else None  # a backend may stop at each row's last one
+        cache.write(cache_layer, ctx.rows, ctx.write_pos, k, v)
+    positions = ctx.write_pos if cache.slot_is_position else None  # a backend may stop at each row's last one
     attend_rows = getattr(ctx.backend, "attend_rows", None)
     if attend_rows is not None and isinstance(ctx.rows, torch.Tensor) and cache.reads_in_place:
         out = attend_rows(q, cache.k[cache_layer], cache.v[cache_layer], ctx.rows, ctx.kv_len, ctx.mask, positions)
@@ -119,7 +119,7 @@ class Attention(_FusableProjections):
         if cache is not None and cache.slot_is_position:
             # One kernel: RoPE on q and k, and k and v into the cache (on CUDA; None elsewhere).
             q = triton_kernels.rope_kv_write(qkv, cos, sin, cache.k[cache_layer], cache.v[cache_layer], ctx.rows,
-                                             ctx.input_pos, hq, hkv)
+                                             ctx.write_pos, hq, hkv)
         if q is not None:
             return self.attend(q, None, None, shape, ctx, cache_layer)  # k and v are in the cache already
         qk = kernels.rope_qk(qkv, cos, sin, hq + hkv, d)  # (N, Hq + Hkv, D)
@@ -147,7 +147,7 @@ class Attention(_FusableProjections):
         n, d = x.shape[0], self.head_dim
         return triton_layer.norm_qkv_rope_write(x, delta, norm.weight, norm.eps, self.qkv.weight, ctx.cos.reshape(n, d),
                                                 ctx.sin.reshape(n, d), cache.k[cache_layer], cache.v[cache_layer],
-                                                ctx.rows, ctx.input_pos, self.num_heads, self.num_kv_heads)
+                                                ctx.rows, ctx.write_pos, self.num_heads, self.num_kv_heads)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext", cache_layer: int) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
@@ -257,7 +257,9 @@ class StepContext:
     """What every layer of one forward pass shares.
 
     input_pos: (B, T) positions of the new tokens; cos/sin: (B, 1, T, D); mask: (B, 1, T, S) bool;
-    rows: (B,) cache rows the batch maps to (None = rows 0..B-1); kv_len: cache slots attended.
+    rows: (B,) cache rows the batch maps to (None = rows 0..B-1); kv_len: cache slots attended;
+    slots: (B, T) cache slots the new tokens are written at, when they are not their positions (a draft
+    tree's nodes: several tokens share a position, `engine.tree`); None = input_pos.
     """
 
     input_pos: torch.Tensor
@@ -268,6 +270,12 @@ class StepContext:
     rows: torch.Tensor | None
     kv_len: int
     backend: AttentionBackend
+    slots: torch.Tensor | None = None
+
+    @property
+    def write_pos(self) -> torch.Tensor:
+        """(B, T) the cache slots this pass writes (and, where slot == position, the last one each row sees)."""
+        return self.input_pos if self.slots is None else self.slots
 
 
 @dataclasses.dataclass
@@ -322,8 +330,12 @@ class Transformer(nn.Module):
         cache: KVCache | None,
         rows: torch.Tensor | None = None,
         kv_len: int | None = None,
+        slots: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> StepContext:
-        """Everything layers share for one pass at positions input_pos (B, T)."""
+        """Everything layers share for one pass at positions input_pos (B, T). With a cache, `slots` (B, T) are
+        where the tokens are written when that is not their positions, and `mask` (B, 1, T, kv_len) what each
+        sees (both: a draft tree, `engine.tree`); default: slot == position, each sees the slots up to its own."""
         dtype = self.embed_tokens.weight.dtype
         cos = self.rope_cos[input_pos].to(dtype)[:, None]  # (B, 1, T, D)
         sin = self.rope_sin[input_pos].to(dtype)[:, None]
@@ -333,8 +345,11 @@ class Transformer(nn.Module):
             kv_len = input_pos.shape[1]
         else:
             kv_len = min(kv_len or cache.max_seq_len, cache.max_seq_len)
-            mask = cache.visibility(input_pos, rows, kv_len)
-        return StepContext(input_pos, cos, sin, mask, cache, rows, kv_len, self.backend)
+            if mask is None:
+                if slots is not None:
+                    raise ValueError("tokens written at slots other than their positions need their own mask")
+                mask = cache.visibility(input_pos, rows, kv_len)
+        return StepContext(input_pos, cos, sin, mask, cache, rows, kv_len, self.backend, slots)
 
     def forward(
         self,

@@ -88,7 +88,8 @@ class DecodeEngine:
         self.spec = spec or SpecConfig()
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.margin = self.spec.num_speculative_tokens + 4  # speculative writes past a row's length
+        # Speculative writes past a row's length: gamma tokens, or a draft tree's width * gamma nodes.
+        self.margin = self.spec.num_speculative_tokens * self.spec.tree_width + 4
         model.args.check_context(max_seq_len)
         weight = model.embed_tokens.weight
         use_graphs = weight.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
@@ -424,10 +425,10 @@ class DecodeEngine:
         cold = self._cold_events()
         drafts = [s.draft for s in spec_rows]
         gamma = spec.num_speculative_tokens
-        if self._may_overlap_round(spec_rows) and captured_path(self, drafts, spec):
-            greedy = all(s.request.params.greedy for s in spec_rows)
+        greedy = all(s.request.params.greedy for s in spec_rows)
+        if self._may_overlap_round(spec_rows) and captured_path(self, drafts, spec, spec_rows, greedy):
             packed, pos0 = launch_round(self, spec_rows, drafts, gamma, max(s.length for s in spec_rows) + gamma + 2,
-                                        greedy)
+                                        greedy, cfg=spec)
             host, ready = _fetch(packed)
             self._ahead = self._launch_next_round(spec_rows, packed, pos0, gamma, greedy)
             result = round_result(_read(host, ready), gamma)
@@ -463,12 +464,12 @@ class DecodeEngine:
         one graph (the gamma controller's pick)."""
         spec, report = self._round_spec(batch)
         drafts = [s.draft for s in batch]
-        if not captured_path(self, drafts, spec):
+        if not captured_path(self, drafts, spec, batch, greedy):
             return None
         g = spec.num_speculative_tokens
         kv_len = max(s.length for s in batch) + gamma + 1 + g + 2  # the longest row accepting everything in flight
         nxt, npos = launch_round(self, batch, drafts, g, kv_len, greedy, pending=packed[:, 1],
-                                 pos0=pos0 + packed[:, 0] + 1)
+                                 pos0=pos0 + packed[:, 0] + 1, cfg=spec)
         return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=report, greedy=greedy)
 
     def _cold_events(self) -> int:

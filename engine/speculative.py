@@ -106,6 +106,11 @@ class SpecConfig:
     # spreads its scores over the vocabulary first (the way it was done before; both are lossless, they
     # draw different tokens from the same seed). For comparisons (`flashspec bench spec --full-vocab-draws`).
     sub_vocab_draws: bool = True
+    # Draft trees (`engine.tree`): greedy rounds of at most tree_max_batch rows holding one draft take the
+    # draft's tree_width best first tokens and continue each to gamma; one verify pass over all branches keeps
+    # the longest accepted one. 1: the chain. Such rounds verify once, whatever block_size says.
+    tree_width: int = 1
+    tree_max_batch: int = 1
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -114,6 +119,10 @@ class SpecConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.draft_kv_window is not None and self.draft_kv_window < 1:
             raise ValueError(f"draft_kv_window must be >= 1 or unset, got {self.draft_kv_window}")
+        if not 1 <= self.tree_width <= 16:
+            raise ValueError(f"tree_width must be in [1, 16], got {self.tree_width}")
+        if self.tree_max_batch < 1:
+            raise ValueError(f"tree_max_batch must be >= 1, got {self.tree_max_batch}")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
@@ -152,8 +161,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     greedy = all(s.request.params.greedy for s in slots)
     gamma = cfg.num_speculative_tokens
     kv_len = max(s.length for s in slots) + gamma + 2  # from the host's lengths: no device sync
-    if captured_path(eng, drafts, cfg):
-        return _captured_round(eng, slots, drafts, gamma, kv_len, greedy)
+    if captured_path(eng, drafts, cfg, slots, greedy) or tree_round(eng, slots, drafts, cfg, greedy):
+        return _captured_round(eng, slots, drafts, gamma, kv_len, greedy, cfg)
 
     model = eng.model
     device = eng.device
@@ -337,15 +346,28 @@ def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
     return sorted(held.values(), key=id)
 
 
-def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig) -> bool:
-    """Whether `spec_round` runs these rows' round as one graph (`_captured_round`)."""
-    return eng.graphs.enabled and len(cfg.blocks()) == 1 and (eng.mixed_round_graph or all(d is drafts[0] for d in drafts))
+def tree_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig, greedy: bool) -> bool:
+    """Whether these rows' round is a draft tree (`engine.tree`)."""
+    from engine.tree import tree_width  # engine.tree builds on this module
+
+    return tree_width(eng, slots, drafts, cfg, greedy) > 1
+
+
+def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig, slots: list | None = None,
+                  greedy: bool | None = None) -> bool:
+    """Whether `spec_round` runs these rows' round as one graph (`_captured_round`); with the rows and whether
+    they are all greedy, a draft tree's round counts too."""
+    if not eng.graphs.enabled:
+        return False
+    if slots is not None and tree_round(eng, slots, drafts, cfg, bool(greedy)):
+        return True
+    return len(cfg.blocks()) == 1 and (eng.mixed_round_graph or all(d is drafts[0] for d in drafts))
 
 
 def _captured_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int,
-                    greedy: bool) -> RoundResult:
+                    greedy: bool, cfg: SpecConfig | None = None) -> RoundResult:
     """`launch_round`, then its result (one host transfer)."""
-    packed, _ = launch_round(eng, slots, drafts, gamma, kv_len, greedy)
+    packed, _ = launch_round(eng, slots, drafts, gamma, kv_len, greedy, cfg=cfg)
     return round_result(packed.tolist(), gamma)
 
 
@@ -356,7 +378,8 @@ def round_result(packed: list[list[int]], gamma: int) -> RoundResult:
 
 
 def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: int, kv_len: int, greedy: bool,
-                 pending: torch.Tensor | None = None, pos0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 pending: torch.Tensor | None = None, pos0: torch.Tensor | None = None,
+                 cfg: SpecConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The GPU fast path for rounds with one verify per round (block_size >= gamma), launched: -> (packed (b,
     gamma + 2) on the device, per row [num_accepted, next token, drafted...]; pos0 (b,), the positions of the
     rows' pending tokens). `pending` and `pos0` (b,) on the device (the last round's outcome, not read yet by
@@ -381,7 +404,15 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     for three drafts against 3.0 for two, run 20), never a capture in the middle of serving.
     Scattered cache rows run padded to a batch-size bucket with the rows as a graph input
     (`DecodeEngine.run_graph`). Same tokens as the general loop.
+
+    A round `cfg` (default: the engine's) makes a draft tree is `engine.tree.launch_tree_round`'s instead
+    (same output).
     """
+    cfg = cfg or eng.spec
+    if tree_round(eng, slots, drafts, cfg, greedy):
+        from engine.tree import launch_tree_round
+
+        return launch_tree_round(eng, slots, drafts[0], gamma, cfg.tree_width, kv_len, pending, pos0)
     model = eng.model
     device = eng.device
     order = graph_drafts(eng, drafts)

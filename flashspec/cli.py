@@ -71,6 +71,7 @@ def generate(
     draft: Annotated[str, typer.Option(help="none, auto (the router picks the domain), code|general|dialog (that domain's active draft) or a draft folder.")] = "none",
     num_speculative_tokens: Annotated[int, typer.Option(help="gamma: tokens drafted per round.")] = 5,
     block_size: Annotated[int, typer.Option(help="Verify every this many drafted tokens (= gamma: one verify per round).")] = 2,
+    tree_width: Annotated[int, typer.Option(help="Greedy rounds draft this many branches and keep the longest accepted (1 = a chain).")] = 1,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     dtype: Annotated[str, typer.Option(help="auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16.")] = "auto",
     json_output: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -86,7 +87,7 @@ def generate(
     try:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 seed=seed, stop=tuple(stop or ()))
-        spec = SpecConfig(num_speculative_tokens, block_size)
+        spec = SpecConfig(num_speculative_tokens, block_size, tree_width=tree_width)
     except ValueError as exc:
         fail(str(exc))
     if not prompt:
@@ -156,6 +157,7 @@ def bench_spec(
         help="With --temperature: the draft's sampling temperature(s), each a row (default: the same as --temperature).")] = None,
     full_vocab_draws: Annotated[bool, typer.Option(
         help="With --temperature: each row again, the draft's tokens drawn over the whole vocabulary, not its sub-vocabulary.")] = False,
+    tree_width: Annotated[list[int], typer.Option(help="Draft-tree width(s), each a row (1 = a chain; greedy rounds only).")] = [1],
 ) -> None:
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
@@ -163,7 +165,8 @@ def bench_spec(
     run(device=device, drafts=draft, domain=domain, n_prompts=prompts, max_new_tokens=max_new_tokens, gamma=tuple(gamma),
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
         repeats=repeats, temperature=temperature,
-        draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,), full_vocab_draws=full_vocab_draws)
+        draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,), full_vocab_draws=full_vocab_draws,
+        trees=tuple(tree_width))
 
 
 @app.command()

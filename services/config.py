@@ -40,6 +40,12 @@ class AppArgs(BaseModel):
                           "the drafts' measured acceptance by position and the measured round costs (engine.gamma); "
                           "false: every round drafts num_speculative_tokens. Lossless either way; rounds with a seeded sampled "
                           "request keep num_speculative_tokens, so the same seed repeats its tokens.")
+    tree_width: int = Field(
+        1, ge=1, le=16, description="Draft trees: greedy rounds of at most tree_max_batch requests draft this many "
+                                    "branches (the draft's best first tokens, each continued to gamma) and keep the "
+                                    "longest the target accepts, in one verify pass (engine.tree). 1: a single chain. "
+                                    "Greedy output is unchanged; sampled rounds keep the chain.")
+    tree_max_batch: int = Field(1, ge=1, le=256, description="Largest batch whose greedy rounds draft trees (tree_width > 1).")
     draft_confidence: float = Field(
         0.0, ge=0.0, lt=1.0, description="Stop drafting a round early once no running request's draft gives its next "
                                          "token this probability (0: always draft num_speculative_tokens). Lossless "

@@ -87,7 +87,8 @@ class GeneratorCore:
             loaded.model.set_attention_backend(self.args.attention_backend)
             spec = SpecConfig(num_speculative_tokens=self.args.num_speculative_tokens,
                               block_size=min(self.args.block_size, self.args.num_speculative_tokens),
-                              draft_confidence=self.args.draft_confidence)
+                              draft_confidence=self.args.draft_confidence, tree_width=self.args.tree_width,
+                              tree_max_batch=self.args.tree_max_batch)
             engine = DecodeEngine(loaded.model, loaded.tokenizer, max_batch_size=self.args.max_batch_size,
                                   max_seq_len=self.args.max_seq_len, spec=spec,
                                   governor=SpeculationGovernor(enabled=self.args.governor),

@@ -582,9 +582,9 @@ def test_sampled_rows_in_the_one_graph_round_match_the_general_loop(target, top_
     captured = []
     real = speculative._captured_round
 
-    def spy(eng, slots, drafts, gamma, kv_len, greedy):
+    def spy(eng, slots, drafts, gamma, kv_len, greedy, *rest):
         captured.append(greedy)
-        return real(eng, slots, drafts, gamma, kv_len, greedy)
+        return real(eng, slots, drafts, gamma, kv_len, greedy, *rest)
 
     monkeypatch.setattr(speculative, "_captured_round", spy)
     hashed = []  # one hash of the counters a round: each small op of it is a kernel in the graph

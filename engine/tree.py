@@ -1,0 +1,177 @@
+"""Draft trees: a greedy round drafts `width` branches and the target verifies them all in one pass.
+
+The chain drafts gamma tokens, each the draft's best guess after the one before; one early miss ends the
+round. A tree of width k takes the draft's k best tokens for the first position (where a miss costs the
+most and the draft's second and third guesses are often right: `bench.tree_headroom`) and continues each
+greedily to depth gamma. The trunk and the adapters draft the k branches side by side (k tokens a step,
+not k steps), the deep layers verify the 1 + k * gamma nodes in one pass, and the round keeps the branch
+whose prefix the target accepts furthest (the first such branch on ties), then the target's own next
+token after it. Greedy output is exactly plain decoding's: every kept token is the target's argmax given
+the tokens before it.
+
+Layout, per row, with the pending token t0 at position (and slot) p:
+
+    slot     p    p+1   p+2  ..  p+k   p+k+1 ..  p+2k  ..  p+(g-1)k+1 .. p+gk
+    node     t0   b0d1  b1d1 ..  bk-1  b0d2  ..  bk-1  ..  b0dg       .. bk-1dg
+    position p    p+1   p+1  ..  p+1   p+2   ..  p+2   ..  p+g        .. p+g
+
+Node (branch i, depth d) sits at slot p + 1 + (d - 1) k + i with RoPE position p + d, and sees the slots up
+to p and its own branch's nodes up to itself (`tree_mask`): attention over exactly the keys a sequential
+decode of that branch would see. After verification the kept branch's K and V (every target layer, and the
+adapters' for drafts without deep features, whose next round rewrites its window anyway) move to slots
+p + 1 .. p + gamma (`KVCache.move`), where the next round expects a chain; what lies past the row's new
+length is never seen and gets overwritten.
+
+Rows of the batch run the same tree; one graph per (batch bucket, width, gamma). Sampled rounds keep the
+chain (lossless sampling over a tree needs multi-candidate rejection sampling, not built).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache import WindowedKVCache, row_index
+from engine.speculative import draft_features
+from engine.triton_kernels import argmax
+
+if TYPE_CHECKING:
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import Draft, SpecConfig  # noqa: F811
+
+
+def tree_width(eng: "DecodeEngine", slots: list, drafts: list["Draft"], cfg: "SpecConfig", greedy: bool) -> int:
+    """The width of this round's tree: cfg.tree_width for a greedy round of at most cfg.tree_max_batch rows
+    that all hold one draft, with caches whose slot is the position; 1 (the chain) otherwise."""
+    if cfg.tree_width <= 1 or not greedy or len(slots) > cfg.tree_max_batch:
+        return 1
+    if any(d is not drafts[0] for d in drafts) or isinstance(eng.draft_cache, WindowedKVCache):
+        return 1
+    return cfg.tree_width
+
+
+def tree_layout(pos0: torch.Tensor, width: int, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) pending positions -> (slots, positions) (B, 1 + width * gamma) of the root and the nodes in slot order."""
+    n = torch.arange(width * gamma, device=pos0.device)
+    offsets = torch.cat([n.new_zeros(1), n + 1])  # slot - p
+    depths = torch.cat([n.new_zeros(1), n // width + 1])  # position - p
+    return pos0[:, None] + offsets[None], pos0[:, None] + depths[None]
+
+
+def tree_mask(pos0: torch.Tensor, width: int, gamma: int, kv_len: int) -> torch.Tensor:
+    """(B, 1, 1 + width * gamma, kv_len) bool: what the root and each node see (slot order, as `tree_layout`):
+    every slot up to the pending token's, then its own branch's nodes up to itself."""
+    slots = torch.arange(kv_len, device=pos0.device)
+    rel = slots[None, :] - pos0[:, None] - 1  # (B, S): < 0 for the prefix and the root
+    q = torch.arange(-1, width * gamma, device=pos0.device)  # (Q,): the root is -1
+    rel_k, q = rel[:, None, :], q[None, :, None]
+    same_branch = torch.remainder(rel_k, width) == torch.remainder(q, width)
+    return ((rel_k < 0) | ((rel_k <= q) & same_branch))[:, None]
+
+
+def accept_tree(tokens: torch.Tensor, target_tokens: torch.Tensor, width: int, gamma: int):
+    """The longest accepted branch. tokens (B, width * gamma) the drafted nodes in slot order; target_tokens
+    (B, 1 + width * gamma) the target's argmax at the root and each node. -> (num_accepted (B,), branch (B,),
+    the branch's tokens (B, gamma), next token (B,): the target's after the branch's accepted prefix)."""
+    b = tokens.shape[0]
+    n = torch.arange(width * gamma, device=tokens.device)
+    parent = torch.where(n < width, 0, n + 1 - width)  # root at 0, node n at n + 1
+    ok = (tokens == target_tokens[:, parent]).long().view(b, gamma, width)
+    accepted = ok.cumprod(dim=1).sum(dim=1)  # (B, width)
+    num_accepted, branch = accepted.max(dim=1)  # the first of equals
+    path = tokens.view(b, gamma, width).gather(2, branch[:, None, None].expand(b, gamma, 1))[..., 0]
+    last = torch.where(num_accepted > 0, (num_accepted - 1) * width + branch + 1, 0)
+    return num_accepted, branch, path, target_tokens.gather(1, last[:, None])[:, 0]
+
+
+def launch_tree_round(eng: "DecodeEngine", slots: list, draft: "Draft", gamma: int, width: int, kv_len: int,
+                      pending: torch.Tensor | None = None, pos0: torch.Tensor | None = None):
+    """One greedy tree round, launched (one CUDA graph when the engine captures): -> (packed (b, gamma + 2) on the
+    device, per row [num_accepted, next token, the kept branch's gamma tokens], as `launch_round`; pos0 (b,)).
+    `pending` / `pos0` as `launch_round`'s."""
+    model, device = eng.model, eng.device
+    n_trunk, deep = draft.shared_layers, draft.feature_input == "deep"
+    capture = tuple(getattr(draft, "feature_layers", ()))
+    kv_len = eng.kv_bucket(kv_len + (width - 1) * gamma)
+    draft_kv = eng.draft_kv_len(kv_len)
+    num_layers = model.args.num_layers
+    rows = row_index([s.slot for s in slots], device)
+    if pos0 is None:
+        pos0 = torch.tensor([s.length for s in slots], device=device)
+        pending = torch.tensor([s.pending for s in slots], device=device)
+
+    def tree_round(pending, pos0, rows=rows):
+        b = pending.shape[0]
+        rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=device)
+        all_slots, all_pos = tree_layout(pos0, width, gamma)
+        mask = tree_mask(pos0, width, gamma, kv_len)
+        draft_mask = mask if draft_kv == kv_len else tree_mask(pos0, width, gamma, draft_kv)
+        ar = torch.arange(b, device=device)
+
+        def span(j):  # the root (j = 0) or the nodes at depth j, in slot order
+            return slice(0, 1) if j == 0 else slice(1 + (j - 1) * width, 1 + j * width)
+
+        trunks, nodes, proxy = [], [], None
+        tokens = pending[:, None]  # (b, 1), then (b, width) a step
+        for j in range(gamma + 1):
+            s = span(j)
+            ctx = model.context(all_pos[:, s], eng.cache, rows, kv_len, slots=all_slots[:, s], mask=mask[:, :, s])
+            trunk = model(tokens, all_pos[:, s], layers=range(0, n_trunk), cache=eng.cache, rows=rows,
+                          ctx=ctx).hidden  # (b, 1 or width, H)
+            trunks.append(trunk)
+            if j == gamma and deep:
+                break  # the next round's window rewrites the adapters' KV here
+            if deep and j == 0:
+                window, feats, index, win_pos = eng.deep_window(rows_t, trunk[:, 0], pos0)
+                out = draft.adapters_forward(window, feats, model.context(win_pos, eng.draft_cache, rows, draft_kv))
+                out = out[ar, index][:, None]  # (b, 1, H)
+            else:
+                dctx = model.context(all_pos[:, s], eng.draft_cache, rows, draft_kv, slots=all_slots[:, s],
+                                     mask=draft_mask[:, :, s])
+                out = draft.adapters_forward(trunk, proxy if deep else None, dctx)  # (b, 1 or width, H)
+            if j == gamma:
+                break
+            t = out.shape[1]
+            if j == 0:  # the draft's `width` best first tokens
+                scores, p = draft.predict(out[:, 0], False)
+                top = scores.topk(width, dim=-1).indices  # (b, width)
+                vocab_ids = getattr(draft, "vocab_ids", None)
+                tokens = top if vocab_ids is None else vocab_ids[top]
+                if deep:
+                    proxy = p[:, None].expand(b, width, p.shape[-1])
+            else:
+                tok, p = draft.predict(out.reshape(b * t, -1), True)
+                tokens = tok.view(b, width)
+                if deep:
+                    proxy = p.view(b, width, -1)
+            nodes.append(tokens)
+        hidden = torch.cat(trunks, dim=1)  # (b, 1 + width * gamma, H), slot order
+        vctx = model.context(all_pos, eng.cache, rows, kv_len, slots=all_slots, mask=mask)
+        out = model(None, all_pos, layers=range(n_trunk, num_layers), hidden=hidden, cache=eng.cache, rows=rows,
+                    ctx=vctx, capture=capture)
+        drafted = torch.cat(nodes, dim=1)  # (b, width * gamma)
+        num_accepted, branch, path, nxt = accept_tree(drafted, argmax(out.logits), width, gamma)
+        # The kept branch moves to slots p + 1 .. p + gamma (its nodes' slots, in order of depth).
+        depth = torch.arange(gamma, device=device)
+        src = pos0[:, None] + 1 + depth[None] * width + branch[:, None]  # (b, gamma)
+        dst = pos0[:, None] + 1 + depth[None]
+        eng.cache.move(rows_t, src, dst)
+        if not deep:
+            eng.draft_cache.move(rows_t, src, dst)
+        else:  # the next round's window: the kept branch's trunk states and target features, root first
+            keep = torch.cat([torch.zeros_like(src[:, :1]), src - pos0[:, None]], dim=1)  # (b, 1 + gamma) node index
+            feats = out.final_hidden
+            if capture:
+                feats = draft_features(draft, feats, out.captured, capture).to(feats.dtype)
+            pick = keep[..., None].expand(-1, -1, hidden.shape[-1])
+            eng.store_deep_round(rows_t, pos0, hidden.gather(1, pick), feats.gather(1, pick), num_accepted)
+        return (torch.cat([num_accepted[:, None], nxt[:, None], path], dim=1),)
+
+    inputs = {"pending": pending, "pos0": pos0}
+    if not eng.graphs.enabled:
+        (packed,) = tree_round(**inputs)
+    else:
+        key = ("greedy-tree", width, kv_len, gamma, capture)
+        (packed,) = eng.run_graph(key, tree_round, rows, inputs, owners=(id(draft),))
+    return packed, pos0

@@ -1,0 +1,154 @@
+"""Draft trees (engine/tree.py): the layout and mask, the branch choice, and greedy output equal to plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cache import KVCache, visibility_mask
+from engine.generate import generate
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+from engine.speculative import SpecConfig
+from engine.tree import accept_tree, tree_layout, tree_mask
+from tests.drafts.test_speculative import (LENGTHS, _sub_vocab, ar_greedy, layered, noisy, oracle, prompts_for,
+                                           random_draft, spec_generate)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return tiny_target.model
+
+
+def test_layout_and_mask_of_a_width_3_depth_2_tree():
+    pos0 = torch.tensor([4])
+    slots, positions = tree_layout(pos0, 3, 2)
+    assert slots.tolist() == [[4, 5, 6, 7, 8, 9, 10]]
+    assert positions.tolist() == [[4, 5, 5, 5, 6, 6, 6]]
+    mask = tree_mask(pos0, 3, 2, 12)[0, 0].int()
+    prefix = [1] * 5
+    assert mask.tolist() == [
+        prefix + [0, 0, 0, 0, 0, 0, 0],  # the root: the prefix and itself
+        prefix + [1, 0, 0, 0, 0, 0, 0],  # branch 0, depth 1
+        prefix + [0, 1, 0, 0, 0, 0, 0],
+        prefix + [0, 0, 1, 0, 0, 0, 0],
+        prefix + [1, 0, 0, 1, 0, 0, 0],  # branch 0, depth 2: its parent and itself
+        prefix + [0, 1, 0, 0, 1, 0, 0],
+        prefix + [0, 0, 1, 0, 0, 1, 0],
+    ]
+
+
+def test_a_width_1_tree_is_the_chain():
+    pos0 = torch.tensor([3, 9])
+    slots, positions = tree_layout(pos0, 1, 5)
+    assert torch.equal(slots, positions)
+    assert torch.equal(tree_mask(pos0, 1, 5, 20), visibility_mask(positions, 20))
+
+
+def test_accept_tree_keeps_the_longest_branch_and_the_targets_next_token():
+    # width 2, gamma 3; slot order: depth 1 (b0, b1), depth 2 (b0, b1), depth 3 (b0, b1)
+    drafted = torch.tensor([[10, 20, 11, 21, 12, 22],
+                            [10, 20, 11, 21, 12, 22],
+                            [10, 20, 11, 21, 12, 22]])
+    target = torch.tensor([
+        [20, 99, 21, 99, 77, 99, 99],  # root -> 20 (b1); b1d1 -> 21; b1d2 -> 77: b1 accepts 2, next 77
+        [10, 11, 99, 12, 99, 55, 99],  # b0 accepts all 3; next token = target at b0d3 = 55
+        [30, 99, 99, 99, 99, 99, 99],  # nothing: next token is the root's 30
+    ])
+    num, branch, path, nxt = accept_tree(drafted, target, 2, 3)
+    assert num.tolist() == [2, 3, 0]
+    assert branch.tolist() == [1, 0, 0]
+    assert path.tolist() == [[20, 21, 22], [10, 11, 12], [10, 11, 12]]
+    assert nxt.tolist() == [77, 55, 30]
+
+
+def test_cache_move_copies_every_layer_and_reads_before_writing():
+    cache = KVCache(3, 2, 2, 10, 4)
+    cache.storage.copy_(torch.randn(cache.storage.shape))
+    before = cache.storage.clone()
+    cache.move(torch.tensor([1]), torch.tensor([[3, 5, 7]]), torch.tensor([[2, 3, 4]]))  # slot 3 is read and written
+    assert torch.equal(cache.storage[:, :, 1, :, [2, 3, 4]], before[:, :, 1, :, [3, 5, 7]])
+    assert torch.equal(cache.storage[:, :, 0], before[:, :, 0])
+    assert torch.equal(cache.k[2][1, :, 4], before[0, 2, 1, :, 7])  # the per-layer views see it
+
+
+DRAFTS = {
+    "partial": lambda t: noisy(oracle(t), 0.5),
+    "random": lambda t: random_draft(t, adapter_layers=2),
+    "deep-partial": lambda t: noisy(oracle(t, deep=True), 0.5),
+    "feature-layers": lambda t: layered(t, (2,)),
+    "head_vocab": lambda t: _sub_vocab(noisy(oracle(t, head_vocab=48), 0.3)),
+}
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["eager", "graph-path"])
+@pytest.mark.parametrize("kind", list(DRAFTS))
+@pytest.mark.parametrize("width, gamma", [(2, 3), (4, 5)])
+def test_greedy_tree_rounds_equal_plain_decoding(target, kind, width, gamma, graphs):
+    spec = SpecConfig(gamma, gamma, tree_width=width, tree_max_batch=4)
+    results = spec_generate(target, DRAFTS[kind](target), spec, cuda_graphs=graphs)
+    assert [r.token_ids for r in results] == ar_greedy(target)
+    for r in results:
+        assert r.stats.verify_passes == r.stats.rounds  # one verify pass a round
+
+
+def test_a_tree_accepts_more_a_round_than_the_chain(target):
+    """With a draft that is often right but not always, the tree's second and further first tokens win rounds
+    the chain loses: more accepted tokens per round, for the same output."""
+    def per_round(spec):
+        results = spec_generate(target, noisy(oracle(target), 0.8), spec, new=60)
+        assert [r.token_ids for r in results] == ar_greedy(target, new=60)
+        return sum(r.stats.accepted for r in results) / sum(r.stats.rounds for r in results)
+
+    chain = per_round(SpecConfig(5, 5))
+    tree = per_round(SpecConfig(5, 5, tree_width=4, tree_max_batch=4))
+    assert tree > 1.1 * chain, (chain, tree)
+
+
+def test_the_oracle_accepts_every_token_of_its_first_branch(target):
+    results = spec_generate(target, oracle(target), SpecConfig(5, 2, tree_width=3), lengths=(17,))
+    assert results[0].token_ids == ar_greedy(target, (17,))[0]
+    assert results[0].stats.acceptance_rate == 1.0
+
+
+def test_a_tree_without_moving_the_kept_branch_is_caught(target, monkeypatch):
+    """The check above fails when the kept branch's KV stays at its tree slots (the next round would read the
+    wrong keys): the tests can tell."""
+    monkeypatch.setattr(KVCache, "move", lambda self, rows, src, dst: None)
+    results = spec_generate(target, noisy(oracle(target), 0.5), SpecConfig(5, 5, tree_width=3, tree_max_batch=4))
+    assert [r.token_ids for r in results] != ar_greedy(target)
+
+
+def test_wider_batches_and_sampled_rows_keep_the_chain(target, monkeypatch):
+    import engine.tree as tree
+
+    calls = []
+    real = tree.launch_tree_round
+    monkeypatch.setattr(tree, "launch_tree_round", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    spec = SpecConfig(3, 3, tree_width=3, tree_max_batch=2)
+    results = spec_generate(target, noisy(oracle(target), 0.5), spec, lengths=(5, 17, 2))
+    assert [r.token_ids for r in results] == ar_greedy(target, (5, 17, 2))
+    assert max(calls) == 2  # 3 rows take the chain; once a row finishes, the other two make trees
+    calls.clear()
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.8, seed=1)
+    spec_generate(target, noisy(oracle(target), 0.5), spec, lengths=(5,), params=sampled)
+    assert calls == []
+    spec_generate(target, noisy(oracle(target), 0.5), spec, lengths=(5,), new=10)
+    assert calls and set(calls) == {1}
+
+
+def test_overlapped_tree_rounds_give_the_same_tokens(target):
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=128, cuda_graphs="emulate", overlap=True,
+                       spec=SpecConfig(4, 4, tree_width=3))
+    eng.add_draft("d", noisy(oracle(target), 0.5))
+    out = generate(eng, prompts_for(target.args.vocab_size, (17,)), SamplingParams(max_new_tokens=40, eos_token_ids=()),
+                   draft=["d"])
+    assert out[0].token_ids == ar_greedy(target, (17,), 40)[0]
+
+
+def test_tree_config_is_checked():
+    with pytest.raises(ValueError, match="tree_width"):
+        SpecConfig(tree_width=0)
+    with pytest.raises(ValueError, match="tree_max_batch"):
+        SpecConfig(tree_max_batch=0)
+    assert LENGTHS  # the module's prompts stay the shared ones
