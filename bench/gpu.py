@@ -17,7 +17,8 @@ labelled as a projection. Tokens/s count new tokens over wall time, prefill incl
 again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
---trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5, and in the service's setting).
+--trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
+with --gammas-overlapped, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
 overlapped); --adaptive-gamma adds rows with
 `engine.gamma`'s controller, alone and with the governor, each also overlapped (`DecodeEngine(overlap=True)`;
@@ -641,9 +642,16 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
                                                        overlap=True))
                  for gamma in bench.args.gammas]
     for width in getattr(bench.args, "trees", ()):
-        rows += [(f"FlashSpec best drafts, gamma 5, tree width {width}{suffix}",
-                  lambda width=width: bench.engine_row(*workload, best, block=5, reference=ref, tree=width)),
-                 (f"FlashSpec best drafts, tree width {width}, adaptive gamma, governor, overlapped{suffix}",
+        rows += [(f"FlashSpec best drafts, gamma {gamma}, tree width {width}{suffix}",
+                  lambda width=width, gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma,
+                                                                    reference=ref, tree=width))
+                 for gamma in dict.fromkeys((5, *bench.args.gammas))]
+        if getattr(bench.args, "gammas_overlapped", False):
+            rows += [(f"FlashSpec best drafts, gamma {gamma}, tree width {width}, overlapped{suffix}",
+                      lambda width=width, gamma=gamma: bench.engine_row(*workload, best, block=gamma, gamma=gamma,
+                                                                        reference=ref, overlap=True, tree=width))
+                     for gamma in bench.args.gammas]
+        rows += [(f"FlashSpec best drafts, tree width {width}, adaptive gamma, governor, overlapped{suffix}",
                   lambda width=width: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True,
                                                        reference=ref, overlap=True, tree=width))]
     if bench.args.adaptive_gamma:

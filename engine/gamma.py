@@ -20,6 +20,14 @@ so it is measured, not configured:
   key has `min_rounds` cost samples, rounds cycle through them; after that every `explore_every`-th round
   runs the next gamma of that cycle, so every cost and the far positions' acceptance stay current.
 
+Draft trees (`engine.tree`): with `widths` beyond 1 each arm is a (gamma, width) pair. A tree's extra branches
+raise the survival of the first positions (the draft's second and third guesses) and cost wider draft steps
+and verify passes, so acceptance is counted per (draft, width) and cost per (key, width); a round takes the arm
+with the most expected tokens per predicted second among those the batch may run (trees serve greedy
+batches of one draft, `DecodeEngine` says which). On the H200 at batch 1 a width-3 tree gained 15 % at a fixed
+gamma 5 but little once gamma adapts (bench/RESULTS.md run 25): choosing the width per round is how it pays
+where it does and costs nothing where it does not.
+
 Lossless whatever it picks: which tokens are drafted never changes what is accepted. Greedy output stays
 identical and sampled output keeps its distribution; but a sampled request's tokens depend on the gammas
 its rounds took, so `DecodeEngine` runs rounds holding a seeded sampled request at the full gamma (the same
@@ -57,6 +65,11 @@ class _Cost:
         self.seconds += max(alpha, 1.0 / self.count) * (seconds - self.seconds)
 
 
+def _cost_key(key: tuple, width: int) -> tuple:
+    """The cost table of a round of this key and tree width (a chain's: the key itself)."""
+    return key if width == 1 else (*key, "tree", width)
+
+
 def _on_line(line: tuple[float, float], gamma: int) -> float:
     """Seconds at gamma on a fitted (intercept, slope) cost line, kept positive."""
     return max(line[0] + line[1] * gamma, 1e-9)
@@ -65,14 +78,16 @@ def _on_line(line: tuple[float, float], gamma: int) -> float:
 class GammaController:
     def __init__(self, max_gamma: int, enabled: bool = True, alpha: float = 0.01, cost_alpha: float = 0.05,
                  min_rounds: int = 2, explore_every: int = 16, min_gamma: int = 1, prior: float = 0.5,
-                 shrink: float = 2.0, pin_seeded: bool = True) -> None:
+                 shrink: float = 2.0, pin_seeded: bool = True, widths: tuple[int, ...] = (1,)) -> None:
         """max_gamma: the engine's num_speculative_tokens (its caches and margins are sized for it).
         alpha: acceptance counts decay by 1 - alpha a row (about 1/alpha rows remembered); cost_alpha: the
         cost averages' weight of a new round (a plain mean of the first 1/cost_alpha).
         min_rounds / explore_every: the cycle through all gammas of a new key, then one round in
         explore_every. prior / shrink: p_1 with no samples, and the pseudo-count pulling p_k to p_(k-1).
         pin_seeded: rounds holding a seeded sampled request run max_gamma (DecodeEngine reads it); False
-        adapts them too (a benchmark's seeds fix its prompts' draws, not a promise of repeated tokens)."""
+        adapts them too (a benchmark's seeds fix its prompts' draws, not a promise of repeated tokens).
+        widths: the draft-tree widths rounds may take (1: the chain; `DecodeEngine` sets (1, tree_width) when its
+        SpecConfig has trees)."""
         if not 1 <= min_gamma <= max_gamma:
             raise ValueError(f"need 1 <= min_gamma <= max_gamma, got {min_gamma} and {max_gamma}")
         if explore_every < 2:
@@ -84,27 +99,45 @@ class GammaController:
         self.prior, self.shrink = prior, shrink
         self.pin_seeded = pin_seeded
         self.forced: int | None = None  # every round at this gamma (DecodeEngine.warmup captures each one's graphs)
-        self._acceptance: dict[str, _Acceptance] = {}
+        self.forced_width = 1  # ... and this tree width, where the batch may take a tree
+        self.widths = widths
+        self._acceptance: dict[tuple[str, int], _Acceptance] = {}  # (draft, width)
         self._costs: dict[tuple, dict[int, _Cost]] = {}
         self._rounds: dict[tuple, int] = {}
         self.chosen: dict[int, int] = {}  # gamma -> rounds that ran it
+        self.chosen_widths: dict[int, int] = {}  # tree width -> rounds that ran it
         self._lock = threading.Lock()
 
     @property
     def gammas(self) -> range:
         return range(self.min_gamma, self.max_gamma + 1)
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return self._widths
+
+    @widths.setter
+    def widths(self, widths) -> None:
+        widths = tuple(sorted(set(widths)))
+        if not widths or widths[0] != 1:
+            raise ValueError(f"tree widths must include 1 (the chain) and be >= 1, got {list(widths)}")
+        self._widths = widths
+
+    def arms(self, trees: bool = False) -> list[tuple[int, int]]:
+        """(gamma, width) pairs a round may take; trees: whether the batch may take a tree."""
+        return [(g, w) for w in (self.widths if trees else (1,)) for g in self.gammas]
+
     # ----- estimates ---------------------------------------------------------------------------
-    def survival(self, draft: str) -> list[float]:
-        """S(1..max_gamma) for this draft (the prior alone before any round of it)."""
-        acc = self._acceptance.get(draft) or _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
+    def survival(self, draft: str, width: int = 1) -> list[float]:
+        """S(1..max_gamma) for this draft's rounds of this tree width (the prior alone before any such round)."""
+        acc = self._acceptance.get((draft, width)) or _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
         return acc.survival(self.prior, self.shrink)
 
-    def expected_tokens(self, drafts: list[str], gamma: int) -> float:
+    def expected_tokens(self, drafts: list[str], gamma: int, width: int = 1) -> float:
         """Tokens a round at gamma makes on average, summed over the batch's rows (one draft name each)."""
-        return self._expected_by_gamma(drafts)[gamma - 1]
+        return self._expected_by_gamma(drafts, width)[gamma - 1]
 
-    def _expected_by_gamma(self, drafts: list[str]) -> list[float]:
+    def _expected_by_gamma(self, drafts: list[str], width: int = 1) -> list[float]:
         """`expected_tokens` at every gamma 1..max_gamma: each draft's survival computed once."""
         counts: dict[str, int] = {}
         for name in drafts:
@@ -112,16 +145,16 @@ class GammaController:
         out = [0.0] * self.max_gamma
         for name, n in counts.items():
             total = 1.0
-            for k, s in enumerate(self.survival(name)):
+            for k, s in enumerate(self.survival(name, width)):
                 total += s
                 out[k] += n * total
         return out
 
-    def cost(self, key: tuple, gamma: int) -> float | None:
+    def cost(self, key: tuple, gamma: int, width: int = 1) -> float | None:
         """Predicted seconds of a round at gamma: the least-squares line through the measured gammas' average
         seconds (weighted by their sample counts, up to 1/cost_alpha); None before any sample. With one
         gamma measured, its own average."""
-        line = self._cost_line(key)
+        line = self._cost_line(_cost_key(key, width))
         return None if line is None else _on_line(line, gamma)
 
     def _cost_line(self, key: tuple) -> tuple[float, float] | None:
@@ -142,39 +175,48 @@ class GammaController:
 
     # ----- decisions ---------------------------------------------------------------------------
     def choose(self, drafts: list[str], key: tuple) -> int:
-        """The gamma of the next round for a batch whose rows use these drafts (names, one per row); `key`
-        says what its cost depends on (DecodeEngine: batch bucket, drafts in the batch, greedy)."""
+        """The gamma of the next round (a chain) for a batch whose rows use these drafts (names, one per row);
+        `key` says what its cost depends on (DecodeEngine: batch bucket, drafts in the batch, greedy)."""
+        return self.choose_arm(drafts, key)[0]
+
+    def choose_arm(self, drafts: list[str], key: tuple, trees: bool = False) -> tuple[int, int]:
+        """(gamma, tree width) of the next round, as `choose`; trees: whether this batch may take a tree."""
+        arms = self.arms(trees)
         if self.forced is not None:
-            return max(self.min_gamma, min(self.forced, self.max_gamma))
-        if not self.enabled or self.min_gamma == self.max_gamma:
-            return self.max_gamma
+            return max(self.min_gamma, min(self.forced, self.max_gamma)), self.forced_width if trees else 1
+        if not self.enabled or len(arms) == 1:
+            return self.max_gamma, (max(self.widths) if trees else 1)
         with self._lock:
             n = self._rounds.get(key, 0)
             self._rounds[key] = n + 1
-            costs = self._costs.get(key, {})
-            cycle = list(self.gammas)
-            unmeasured = [g for g in cycle if costs.get(g, _Cost()).count < self.min_rounds]
+            unmeasured = [a for a in arms if self._costs.get(_cost_key(key, a[1]), {}).get(a[0], _Cost()).count
+                          < self.min_rounds]
             if unmeasured:
-                gamma = cycle[n % len(cycle)] if cycle[n % len(cycle)] in unmeasured else unmeasured[0]
+                arm = arms[n % len(arms)] if arms[n % len(arms)] in unmeasured else unmeasured[0]
             elif n % self.explore_every == self.explore_every - 1:
-                gamma = cycle[(n // self.explore_every) % len(cycle)]
-            else:  # the fitted line and each draft's survival once per choice, not once per gamma
-                expected, line = self._expected_by_gamma(drafts), self._cost_line(key)
-                gamma = max(cycle, key=lambda g: expected[g - 1] / _on_line(line, g))
-            self.chosen[gamma] = self.chosen.get(gamma, 0) + 1
-            return gamma
+                arm = arms[(n // self.explore_every) % len(arms)]
+            else:  # each width's fitted line and each draft's survival once per choice, not once per arm
+                rates = {}
+                for w in dict.fromkeys(w for _, w in arms):
+                    expected, line = self._expected_by_gamma(drafts, w), self._cost_line(_cost_key(key, w))
+                    rates.update({(g, w): expected[g - 1] / _on_line(line, g) for g in self.gammas})
+                arm = max(arms, key=rates.__getitem__)
+            self.chosen[arm[0]] = self.chosen.get(arm[0], 0) + 1
+            self.chosen_widths[arm[1]] = self.chosen_widths.get(arm[1], 0) + 1
+            return arm
 
-    def observe(self, key: tuple, gamma: int, seconds: float | None, rows: list[tuple[str, int, int]]) -> None:
-        """A round at `gamma` took `seconds` (None: not a clean sample, e.g. it captured a graph); rows: per
-        row (draft name, tokens accepted, tokens drafted for it before its round ended)."""
+    def observe(self, key: tuple, gamma: int, seconds: float | None, rows: list[tuple[str, int, int]],
+                width: int = 1) -> None:
+        """A round at `gamma` (a tree of `width`) took `seconds` (None: not a clean sample, e.g. it captured a
+        graph); rows: per row (draft name, tokens accepted, tokens drafted for it before its round ended)."""
         if not self.enabled or self.forced is not None:
             return  # forced rounds (warm-up) are no sample of real traffic
         with self._lock:
             keep = 1.0 - self.alpha
             for name, accepted, drafted in rows:
-                acc = self._acceptance.get(name)
+                acc = self._acceptance.get((name, width))
                 if acc is None:
-                    acc = self._acceptance[name] = _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
+                    acc = self._acceptance[(name, width)] = _Acceptance([0.0] * self.max_gamma, [0.0] * self.max_gamma)
                 for k in range(self.max_gamma):
                     acc.reached[k] *= keep
                     acc.accepted[k] *= keep
@@ -183,18 +225,21 @@ class GammaController:
                 for k in range(min(accepted, self.max_gamma)):
                     acc.accepted[k] += 1.0
             if seconds is not None:
-                self._costs.setdefault(key, {}).setdefault(gamma, _Cost()).update(seconds, self.cost_alpha)
+                self._costs.setdefault(_cost_key(key, width), {}).setdefault(gamma, _Cost()).update(seconds, self.cost_alpha)
 
     def forget(self, draft: str) -> None:
         """Drop a draft's acceptance counts (a new version under the same name starts from the prior)."""
         with self._lock:
-            self._acceptance.pop(draft, None)
+            for k in [k for k in self._acceptance if k[0] == draft]:
+                del self._acceptance[k]
 
     def snapshot(self) -> dict:
         with self._lock:
             return {
                 "chosen": dict(sorted(self.chosen.items())),
-                "survival": {name: [round(s, 3) for s in self.survival(name)] for name in sorted(self._acceptance)},
+                **({"widths": dict(sorted(self.chosen_widths.items()))} if len(self.widths) > 1 else {}),
+                "survival": {(name if w == 1 else f"{name} (tree {w})"): [round(s, 3) for s in self.survival(name, w)]
+                             for name, w in sorted(self._acceptance)},
                 "round_ms": {str(key): {g: round(c.seconds * 1e3, 3) for g, c in sorted(costs.items())}
                              for key, costs in self._costs.items()},
             }

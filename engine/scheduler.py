@@ -25,7 +25,7 @@ from engine.requests import Request, RequestError, RequestOutput, SlotState
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
                              stream_state, uniform_at)
 from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, graph_drafts,
-                                launch_round, round_result, spec_round)
+                                launch_round, round_result, spec_round, tree_round)
 from engine.text import TextStream
 from engine.triton_kernels import argmax
 
@@ -116,7 +116,9 @@ class DecodeEngine:
             raise ValueError(f"the gamma controller's max_gamma ({gamma.max_gamma}) must be the engine's "
                              f"num_speculative_tokens ({self.spec.num_speculative_tokens})")
         self.gamma = gamma or GammaController(self.spec.num_speculative_tokens, enabled=False)
-        self._specs = {self.spec.num_speculative_tokens: self.spec}  # SpecConfig per gamma the controller picks
+        if self.spec.tree_width > 1:  # each round picks chain or tree too (engine.gamma)
+            self.gamma.widths = (1, self.spec.tree_width)
+        self._specs = {}  # SpecConfig per (gamma, tree width) the controller picks
         # Deep-feature drafts: the target's final hidden states of the last round, per cache row.
         hidden = model.args.hidden_size
         self._deep_ready = False
@@ -297,7 +299,7 @@ class DecodeEngine:
         new_tokens = max(1, min(max_len, self.max_seq_len - 1) - prompt_len)
         vocab = self.model.args.vocab_size
         buckets = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
-        gammas = list(self.gamma.gammas) if self.gamma.enabled else [None]
+        arms = self.gamma.arms(trees=True) if self.gamma.enabled else [(None, 1)]
         governor, self.governor = self.governor, SpeculationGovernor(enabled=False)
         try:
             for kind in sampling:
@@ -309,14 +311,16 @@ class DecodeEngine:
                         for mix in mixes:
                             if len(mix) > 1 and b < 2:
                                 continue  # one row holds one draft
-                            for gamma in (gammas if mix != [None] else [None]):
+                            for gamma, width in (arms if mix != [None] else [(None, 1)]):
+                                if width > 1 and (kind != "greedy" or len(mix) > 1 or b > self.spec.tree_max_batch):
+                                    continue  # such rounds never take a tree
                                 if stop is not None and stop():
                                     return self.graphs.captures - before  # (the finally clause still runs)
-                                self.gamma.forced = gamma
+                                self.gamma.forced, self.gamma.forced_width = gamma, width
                                 generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(b)])
         finally:
             self.governor = governor
-            self.gamma.forced = None
+            self.gamma.forced, self.gamma.forced_width = None, 1
             self._scatter_rows = False
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
@@ -393,29 +397,34 @@ class DecodeEngine:
                 self.governor.observe_spec(name, running, seconds, sum(map(len, result.tokens)))
 
     def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
-        """This round's SpecConfig: gamma at the gamma controller's choice (`engine.gamma`) when it is on, with
-        what to report back to it, (key, draft names); else the engine's."""
+        """This round's SpecConfig: gamma (and, where the batch may take a draft tree, its width: chain or tree) at
+        the gamma controller's choice when it is on (`engine.gamma`), with what to report back to it, (key, draft
+        names, width); else the engine's."""
         if not self.gamma.enabled:
             return self.spec, None
         names = [governed(s.request) for s in spec_rows]
         drafts = [s.draft for s in spec_rows]
+        greedy = all(s.request.params.greedy for s in spec_rows)
         # A one-graph mixed round runs every loaded draft (`graph_drafts`): priced as such.
         ran = graph_drafts(self, drafts) if self.graphs.enabled and self.mixed_round_graph else {id(d) for d in drafts}
-        key = (batch_bucket(len(spec_rows)), len(ran),
-               all(s.request.params.greedy for s in spec_rows))  # what a round's cost depends on
+        key = (batch_bucket(len(spec_rows)), len(ran), greedy)  # what a round's cost depends on
         # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
         seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
                                                for s in spec_rows)
-        gamma = self.spec.num_speculative_tokens if seeded else self.gamma.choose(names, key)
-        spec = self._specs.get(gamma)
+        if seeded:
+            gamma, width = self.spec.num_speculative_tokens, 1
+        else:
+            gamma, width = self.gamma.choose_arm(names, key, tree_round(self, spec_rows, drafts, self.spec, greedy))
+        spec = self._specs.get((gamma, width))
         if spec is None:
-            spec = self._specs[gamma] = dataclasses.replace(self.spec, num_speculative_tokens=gamma)
-        return spec, (key, names)
+            spec = self._specs[(gamma, width)] = dataclasses.replace(self.spec, num_speculative_tokens=gamma,
+                                                                     tree_width=width)
+        return spec, (key, names, width)
 
     def _report_round(self, report: tuple | None, gamma: int, seconds: float | None, result) -> None:
         if report is not None:
-            key, names = report
-            self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)))
+            key, names, width = report
+            self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)), width)
 
     def _spec_round(self, spec_rows: list[SlotState], t0: float):
         """One round for the speculating rows (at the gamma controller's choice when it is on). With `overlap`

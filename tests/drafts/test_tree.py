@@ -152,3 +152,25 @@ def test_tree_config_is_checked():
     with pytest.raises(ValueError, match="tree_max_batch"):
         SpecConfig(tree_max_batch=0)
     assert LENGTHS  # the module's prompts stay the shared ones
+
+
+def test_the_adaptive_controller_picks_chain_or_tree_per_round(target, monkeypatch):
+    """With the gamma controller each round takes a (gamma, width) arm: both widths run, output stays plain
+    decoding's, and warm-up runs every arm a batch-1 greedy round may take."""
+    from engine.gamma import GammaController
+    import engine.tree as tree
+
+    ctl = GammaController(4, min_rounds=1, explore_every=2)
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=128, cuda_graphs="emulate", gamma=ctl,
+                       spec=SpecConfig(4, 4, tree_width=3))
+    assert ctl.widths == (1, 3)
+    eng.add_draft("d", noisy(oracle(target), 0.5))
+    widths = []
+    real = tree.launch_tree_round
+    monkeypatch.setattr(tree, "launch_tree_round", lambda *a, **k: widths.append((a[3], a[4])) or real(*a, **k))
+    eng.warmup(max_len=24, prompt_len=8, sampling=("greedy", "sampled"))
+    assert set(widths) == {(g, 3) for g in range(1, 5)}  # batch 1, greedy: each gamma as a tree (batch 2: chains)
+    out = generate(eng, prompts_for(target.args.vocab_size, (17,)), SamplingParams(max_new_tokens=60, eos_token_ids=()),
+                   draft=["d"])
+    assert out[0].token_ids == ar_greedy(target, (17,), 60)[0]
+    assert set(ctl.chosen_widths) == {1, 3}

@@ -211,3 +211,48 @@ def test_a_choice_is_the_best_ratio_of_the_public_estimates():
         batch = [rng.choice(names) for _ in range(rng.randint(1, 4))]
         want = max(ctl.gammas, key=lambda g: ctl.expected_tokens(batch, g) / ctl.cost(KEY, g))
         assert ctl.choose(batch, KEY) == want, trial
+
+
+def simulate_arms(ctl: GammaController, accept: dict[int, list[float]], cost, rounds: int, seed: int = 0):
+    """As `simulate` with trees: accept[width][k - 1] and cost(gamma, width) per tree width. Returns the second
+    half's tokens per second and the (gamma, width) arms it ran."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    ran: dict[tuple[int, int], int] = {}
+    for i in range(rounds):
+        gamma, width = ctl.choose_arm(["d"], KEY, trees=True)
+        a = 0
+        while a < gamma and rng.random() < accept[width][a]:
+            a += 1
+        took = cost(gamma, width) * (1 + 0.1 * (2 * rng.random() - 1))
+        ctl.observe(KEY, gamma, took, [("d", a, gamma)], width)
+        if i >= rounds // 2:
+            tokens += a + 1
+            seconds += took
+            ran[(gamma, width)] = ran.get((gamma, width), 0) + 1
+    return tokens / seconds, ran
+
+
+@pytest.mark.parametrize("tree_gain, best", [(0.25, 3), (0.02, 1)], ids=["tree pays", "tree does not pay"])
+def test_it_takes_the_tree_only_where_it_pays(tree_gain, best):
+    """A tree raises the first position's acceptance (by tree_gain) for 6 % more cost a round: the controller
+    runs trees where that is worth it and chains where it is not, and knows each width's survival apart."""
+    chain = [0.6, 0.7, 0.7, 0.7, 0.7]
+    accept = {1: chain, 3: [chain[0] + tree_gain, *chain[1:]]}
+    cost = lambda g, w: (0.95e-3 + 0.2e-3 * g) * (1.06 if w > 1 else 1.0)  # noqa: E731
+    ctl = GammaController(5, widths=(1, 3))
+    rate, ran = simulate_arms(ctl, accept, cost, 4000)
+    width = max((1, 3), key=lambda w: sum(n for (g, x), n in ran.items() if x == w))
+    assert width == best, ran
+    assert ctl.survival("d", best)[0] == pytest.approx(accept[best][0], abs=0.1)  # the arm it runs, measured apart
+    oracle = max(best_fixed(accept[w], lambda g, w=w: cost(g, w))[1] for w in (1, 3))
+    assert rate >= 0.93 * oracle, (rate, oracle)
+    assert set(ctl.snapshot()["widths"]) == {1, 3}
+
+
+def test_batches_that_may_not_take_a_tree_run_chains():
+    ctl = GammaController(4, widths=(1, 2), min_rounds=1)
+    assert {ctl.choose_arm(["d"], KEY, trees=False)[1] for _ in range(40)} == {1}
+    assert {ctl.choose_arm(["d"], KEY, trees=True)[1] for _ in range(40)} == {1, 2}
+    with pytest.raises(ValueError, match="include 1"):
+        GammaController(4, widths=(2, 3))
