@@ -421,7 +421,7 @@ class EngineRow:
         self.gov = SpeculationGovernor(enabled=governor) if governor else None
         self.controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
-                                spec=SpecConfig(gamma, block, tree_width=tree), governor=self.gov, mixed_round_graph=mixed_round_graph,
+                                spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap)
         if drafts:
             for d, draft in drafts.items():

@@ -299,7 +299,10 @@ class DecodeEngine:
         new_tokens = max(1, min(max_len, self.max_seq_len - 1) - prompt_len)
         vocab = self.model.args.vocab_size
         buckets = sorted({self.batch_bucket(n) for n in range(1, self.max_batch_size + 1)})
-        arms = self.gamma.arms(trees=True) if self.gamma.enabled else [(None, 1)]
+        if self.gamma.enabled:
+            arms = self.gamma.arms(trees=True)
+        else:  # every round runs self.spec; its sampled trees need unseeded requests (below)
+            arms = [(None, 1)] + ([(None, self.spec.tree_width)] if self.spec.tree_width > 1 else [])
         governor, self.governor = self.governor, SpeculationGovernor(enabled=False)
         try:
             for kind in sampling:
@@ -312,12 +315,15 @@ class DecodeEngine:
                             if len(mix) > 1 and b < 2:
                                 continue  # one row holds one draft
                             for gamma, width in (arms if mix != [None] else [(None, 1)]):
-                                if width > 1 and (kind != "greedy" or len(mix) > 1 or b > self.spec.tree_max_batch):
-                                    continue  # such rounds never take a tree
+                                if width > 1 and (len(mix) > 1 or b > self.spec.tree_max_batch
+                                                  or (gamma is None and kind == "greedy")):
+                                    continue  # such rounds never take a tree (or took it already)
                                 if stop is not None and stop():
                                     return self.graphs.captures - before  # (the finally clause still runs)
                                 self.gamma.forced, self.gamma.forced_width = gamma, width
-                                generate(self, prompts, params, draft=[mix[i % len(mix)] for i in range(b)])
+                                # Seeded sampled rows keep the chain (engine.tree): tree graphs need unseeded ones.
+                                run = params if width == 1 or kind == "greedy" else dataclasses.replace(params, seed=None)
+                                generate(self, prompts, run, draft=[mix[i % len(mix)] for i in range(b)])
         finally:
             self.governor = governor
             self.gamma.forced, self.gamma.forced_width = None, 1

@@ -106,11 +106,15 @@ class SpecConfig:
     # spreads its scores over the vocabulary first (the way it was done before; both are lossless, they
     # draw different tokens from the same seed). For comparisons (`flashspec bench spec --full-vocab-draws`).
     sub_vocab_draws: bool = True
-    # Draft trees (`engine.tree`): greedy rounds of at most tree_max_batch rows holding one draft take the
-    # draft's tree_width best first tokens and continue each to gamma; one verify pass over all branches keeps
-    # the longest accepted one. 1: the chain. Such rounds verify once, whatever block_size says.
+    # Draft trees (`engine.tree`): rounds of at most tree_max_batch rows holding one draft (and no seeded sampled
+    # request) draft tree_width first tokens (greedy: the draft's best; sampled: independent draws) and continue
+    # each to gamma; one verify pass over all branches keeps the longest accepted one. 1: the chain. Such rounds
+    # verify once, whatever block_size says.
     tree_width: int = 1
     tree_max_batch: int = 1
+    # Seeded sampled requests take trees too. Off by default: a seeded request's tokens would then depend on
+    # whether its batch was small enough for a tree; for benchmarks, whose seeds only fix their draws.
+    tree_seeded: bool = False
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -412,7 +416,8 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     if tree_round(eng, slots, drafts, cfg, greedy):
         from engine.tree import launch_tree_round
 
-        return launch_tree_round(eng, slots, drafts[0], gamma, cfg.tree_width, kv_len, pending, pos0)
+        return launch_tree_round(eng, slots, drafts[0], gamma, cfg.tree_width, kv_len, greedy, pending, pos0,
+                                 cfg.sub_vocab_draws)
     model = eng.model
     device = eng.device
     order = graph_drafts(eng, drafts)

@@ -11,8 +11,8 @@ from engine.sampling import SamplingParams
 from engine.scheduler import DecodeEngine
 from engine.speculative import SpecConfig
 from engine.tree import accept_tree, tree_layout, tree_mask
-from tests.drafts.test_speculative import (LENGTHS, _sub_vocab, ar_greedy, layered, noisy, oracle, prompts_for,
-                                           random_draft, spec_generate)
+from tests.drafts.test_speculative import (LENGTHS, _sub_vocab, ar_greedy, layered, noisy, oracle, prompts_for,  # noqa: F401
+                                           random_draft, small, spec_generate)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_a_tree_without_moving_the_kept_branch_is_caught(target, monkeypatch):
     assert [r.token_ids for r in results] != ar_greedy(target)
 
 
-def test_wider_batches_and_sampled_rows_keep_the_chain(target, monkeypatch):
+def test_wider_batches_and_seeded_sampled_rows_keep_the_chain(target, monkeypatch):
     import engine.tree as tree
 
     calls = []
@@ -174,3 +174,113 @@ def test_the_adaptive_controller_picks_chain_or_tree_per_round(target, monkeypat
                    draft=["d"])
     assert out[0].token_ids == ar_greedy(target, (17,), 60)[0]
     assert set(ctl.chosen_widths) == {1, 3}
+
+
+# ----- sampled trees -------------------------------------------------------------------------------
+
+
+def test_sampled_tree_acceptance_keeps_the_target_distribution():
+    """accept_tree_sampled alone, one position (gamma 1), every candidate count: over many draws the emitted
+    token's frequencies are the target's, whatever the draft's distribution."""
+    from engine.tree import accept_tree_sampled
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 6, 200_000
+    p = torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(vocab, generator=gen) * 1.5, -1)
+    for width in (1, 2, 3):
+        cand = torch.multinomial(q, n * width, replacement=True, generator=gen).view(n, width)
+        target = torch.cat([p[None].expand(1 + width, vocab)])[None].expand(n, -1, -1)
+        draws = torch.rand(n, width + 1, generator=gen)
+        num, branch, path, nxt = accept_tree_sampled(cand, q[None, None].expand(n, 1, vocab), target, width, 1, draws)
+        emitted = torch.where(num > 0, path[:, 0], nxt)
+        freq = torch.bincount(emitted, minlength=vocab).float() / n
+        assert (freq - p).abs().sum() / 2 < 0.006, (width, freq, p)
+        accept = (num > 0).float().mean().item()
+        if width == 1:
+            single = accept
+        else:
+            assert accept > single + 0.03  # more candidates, more first tokens accepted
+
+
+def tree_sampled_tokens(model, draft, temperature, top_p, n, width, spec_kw=None, batch=500, **engine_kw):
+    """The first K tokens of n unseeded sampled requests (torch's global seed fixes their streams), every round
+    a tree of `width` (tree_max_batch covers the batch)."""
+    from tests.drafts.test_speculative import K, PROMPT
+
+    torch.manual_seed(1234)
+    spec = SpecConfig(3, 3, tree_width=width, tree_max_batch=batch, **(spec_kw or {}))
+    eng = DecodeEngine(model, None, max_batch_size=batch, max_seq_len=32, spec=spec, **engine_kw)
+    eng.add_draft("d", draft)
+    params = SamplingParams(max_new_tokens=K, temperature=temperature, top_p=top_p, eos_token_ids=())
+    results = generate(eng, [PROMPT] * n, params, draft="d")
+    assert all(r.stats is not None and r.stats.rounds >= 1 for r in results)
+    return torch.tensor([r.token_ids for r in results]), results
+
+
+@pytest.mark.parametrize("temperature, top_p, width, graphs", [
+    (1.0, 1.0, 2, None), (1.0, 1.0, 3, "emulate"), (0.7, 0.9, 3, None)])
+def test_sampled_tree_rounds_are_lossless(small, temperature, top_p, width, graphs, monkeypatch):
+    """Whole generations through the engine (the first 3 tokens after a prompt, 20k requests): their joint
+    distribution is the target's; and the trees really ran and beat the chain's first-token acceptance."""
+    import engine.tree as tree
+    from tests.drafts.test_speculative import distances, exact_joint, thresholds
+
+    model, draft = small
+    ran = []
+    real = tree.launch_tree_round
+    monkeypatch.setattr(tree, "launch_tree_round", lambda *a, **k: ran.append(a[4]) or real(*a, **k))
+    n = 20000
+    tokens, results = tree_sampled_tokens(model, draft, temperature, top_p, n, width, cuda_graphs=graphs)
+    assert ran and set(ran) == {width}
+    per_position, joint = distances(tokens, exact_joint(model, temperature, top_p))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint
+
+
+def test_sampled_tree_with_a_sub_vocabulary_draft_is_lossless(tiny):
+    from tests.drafts.test_speculative import V, distances, exact_joint, noisy as noisy_, thresholds
+
+    model = tiny.tiny_vocab_target(V, num_layers=3, seed=7)
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", head_vocab=5))
+    draft.init_from_target()
+    draft.set_vocab(torch.tensor([6, 1, 3, 0, 7]))
+    draft = noisy_(draft, 1.0)
+    n = 20000
+    for whole in (False, True):
+        tokens, _ = tree_sampled_tokens(model, draft, 1.0, 1.0, n, 3, spec_kw={"sub_vocab_draws": not whole},
+                                        batch=256)
+        per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+        position_max, joint_max = thresholds(n)
+        assert max(per_position) < position_max, (whole, per_position)
+        assert joint < joint_max, (whole, joint)
+
+
+def test_sampled_trees_accept_more_first_tokens_than_the_chain(small):
+    model, draft = small
+    n = 4000
+
+    def first_accepted(width):
+        _, results = tree_sampled_tokens(model, draft, 1.0, 1.0, n, width)
+        return sum(r.stats.accepted for r in results) / sum(r.stats.rounds for r in results)
+
+    chain, tree = first_accepted(1), first_accepted(3)
+    assert tree > chain + 0.1, (chain, tree)
+
+
+def test_a_broken_residual_between_candidates_is_caught(small, monkeypatch):
+    """Trying every candidate against the target itself, not against what the rejected ones leave, over-weights
+    the draft's tokens: the distribution check above catches it."""
+    import engine.tree as tree
+    from tests.drafts.test_speculative import distances, exact_joint, thresholds
+
+    monkeypatch.setattr(tree, "residual", lambda p, q: p)
+    model, draft = small
+    n = 5000
+    tokens, _ = tree_sampled_tokens(model, draft, 1.0, 1.0, n, 3)
+    per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
+    assert max(per_position) > thresholds(n)[0] or joint > thresholds(n)[1], (per_position, joint)

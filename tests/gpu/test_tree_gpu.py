@@ -56,3 +56,23 @@ def test_captured_tree_rounds_equal_plain_decoding(fused, feature, width):
                 assert any(k[0] == "greedy-tree" for k in eng.graphs.graphs)
             stats[w] = sum(r.stats.accepted for r in out) / sum(r.stats.rounds for r in out)
     assert stats[width] > stats[1], stats
+
+
+@pytest.mark.parametrize("head_vocab", [None, 64])
+def test_captured_sampled_tree_rounds_draw_what_the_eager_ones_draw(head_vocab):
+    """Sampled trees (unseeded requests; torch's seed fixes their streams) captured as CUDA graphs give the tokens
+    the same rounds give without graphs (fp32): the draws come from the streams on the device either way."""
+    target = tiny_target(torch.float32)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=3, head="mlp_tied", head_vocab=head_vocab))
+    draft.init_from_target()
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, top_p=0.95, eos_token_ids=())
+    outs = []
+    for graphs in (False, True):
+        torch.manual_seed(3)
+        eng = DecodeEngine(target, None, max_batch_size=3, max_seq_len=160, cuda_graphs=graphs,
+                           spec=SpecConfig(4, 4, tree_width=3, tree_max_batch=3))
+        eng.add_draft("d", draft)
+        outs.append([r.token_ids for r in generate(eng, PROMPTS, params, "d")])
+        if graphs:
+            assert any(isinstance(k[0], tuple) and k[0][0] == "sampled-tree" for k in eng.graphs.graphs)
+    assert outs[0] == outs[1]
