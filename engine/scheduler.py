@@ -116,7 +116,10 @@ class DecodeEngine:
             raise ValueError(f"the gamma controller's max_gamma ({gamma.max_gamma}) must be the engine's "
                              f"num_speculative_tokens ({self.spec.num_speculative_tokens})")
         self.gamma = gamma or GammaController(self.spec.num_speculative_tokens, enabled=False)
-        if self.spec.tree_width > 1:  # each round picks chain or tree too (engine.gamma)
+        if max(self.gamma.widths) > self.spec.tree_width:
+            raise ValueError(f"the gamma controller's tree widths {list(self.gamma.widths)} exceed the engine's "
+                             f"tree_width ({self.spec.tree_width}; its cache margin is sized for it)")
+        if self.spec.tree_width > 1 and self.gamma.widths == (1,):  # each round picks chain or tree too (engine.gamma)
             self.gamma.widths = (1, self.spec.tree_width)
         self._specs = {}  # SpecConfig per (gamma, tree width) the controller picks
         # Deep-feature drafts: the target's final hidden states of the last round, per cache row.

@@ -109,7 +109,7 @@ class SpecConfig:
     # Draft trees (`engine.tree`): rounds of at most tree_max_batch rows holding one draft (and no seeded sampled
     # request) draft tree_width first tokens (greedy: the draft's best; sampled: independent draws) and continue
     # each to gamma; one verify pass over all branches keeps the longest accepted one. 1: the chain. Such rounds
-    # verify once, whatever block_size says.
+    # verify once, whatever block_size says, and draft every position (draft_confidence does not apply).
     tree_width: int = 1
     tree_max_batch: int = 1
     # Seeded sampled requests take trees too. Off by default: a seeded request's tokens would then depend on

@@ -192,6 +192,7 @@ def launch_tree_round(eng: "DecodeEngine", slots: list, draft: "Draft", gamma: i
                 -1, sub.expand(b, n, -1), probs)
             draft_probs.append(full)
             return index if sub is None else sub[index]
+
         rows_t = rows if isinstance(rows, torch.Tensor) else torch.arange(rows.start, rows.stop, device=device)
         all_slots, all_pos = tree_layout(pos0, width, gamma)
         mask = tree_mask(pos0, width, gamma, kv_len)

@@ -146,7 +146,11 @@ def test_overlapped_tree_rounds_give_the_same_tokens(target):
     assert out[0].token_ids == ar_greedy(target, (17,), 40)[0]
 
 
-def test_tree_config_is_checked():
+def test_tree_config_is_checked(target):
+    from engine.gamma import GammaController
+
+    with pytest.raises(ValueError, match="exceed the engine's tree_width"):
+        DecodeEngine(target, None, spec=SpecConfig(4, 4, tree_width=2), gamma=GammaController(4, widths=(1, 3)))
     with pytest.raises(ValueError, match="tree_width"):
         SpecConfig(tree_width=0)
     with pytest.raises(ValueError, match="tree_max_batch"):
