@@ -51,8 +51,9 @@ class KVCache:
         # One tensor for every layer's K and V (`move` touches all layers in two kernels); k[layer] and
         # v[layer] are contiguous views of it.
         self.storage = torch.zeros((2, num_layers, *shape), dtype=dtype, device=device)
-        self.k = list(self.storage[0])
-        self.v = list(self.storage[1])
+        # (Indexed one by one: unbind's views may not be written in place while autograd records.)
+        self.k = [self.storage[0, i] for i in range(num_layers)]
+        self.v = [self.storage[1, i] for i in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
