@@ -288,3 +288,23 @@ def test_a_broken_residual_between_candidates_is_caught(small, monkeypatch):
     tokens, _ = tree_sampled_tokens(model, draft, 1.0, 1.0, n, 3)
     per_position, joint = distances(tokens, exact_joint(model, 1.0, 1.0))
     assert max(per_position) > thresholds(n)[0] or joint > thresholds(n)[1], (per_position, joint)
+
+
+@pytest.mark.parametrize("graphs", [False, "emulate"], ids=["eager", "graph-path"])
+def test_tree_rounds_keep_the_limits(target, graphs):
+    """A tree writes width * gamma nodes past a row's length: the context limit, max_new_tokens and an EOS
+    inside the kept branch end the output exactly where plain decoding does."""
+    spec = SpecConfig(5, 5, tree_width=3, tree_max_batch=4)
+    draft = noisy(oracle(target), 0.3)
+    for length in (10, 12):  # prompt + output may not pass the 16-token context
+        expected = ar_greedy(target, (length,), 50, max_seq_len=16)[0]
+        got = spec_generate(target, draft, spec, lengths=(length,), new=50, max_seq_len=16, cuda_graphs=graphs)[0]
+        assert got.token_ids == expected and got.finish_reason == "length"
+    for new in (1, 4, 7):
+        results = spec_generate(target, draft, spec, new=new, cuda_graphs=graphs)
+        assert [r.token_ids for r in results] == ar_greedy(target, LENGTHS, new)
+    expected = ar_greedy(target, (7,), 20)[0]
+    cut = next(i for i in range(2, 6) if expected[i] not in expected[:i])
+    params = SamplingParams(max_new_tokens=20, eos_token_ids=(expected[cut],))
+    got = spec_generate(target, oracle(target), spec, lengths=(7,), params=params, cuda_graphs=graphs)[0]
+    assert got.token_ids == expected[:cut] and got.finish_reason == "stop"
