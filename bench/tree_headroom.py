@@ -17,8 +17,9 @@ positions whose target argmax is in the draft's top k (k = 1: the chain's first-
 
 `--trees` plays whole greedy rounds of static trees over the same replies. A tree "4,1,1,1,1" takes the
 draft's 4 best tokens at the first drafted position and its best at each of the 4 after (4 chains of 5,
-20 nodes); "1,1,1,1,1" is the engine's gamma-5 chain, and the engine's own round count is printed beside
-it as a check of the simulation. Every node is drafted as the engine drafts a chain's token: the
+20 nodes); "1,1,1,1,1" is the engine's gamma-5 chain and "4,1,1,1,1" its draft tree of width 4
+(`engine/tree.py`), and for these the engine's own round count is printed beside as a check of the
+simulation. Each row also gives S(k), the share of rounds whose first k drafted tokens are accepted. Every node is drafted as the engine drafts a chain's token: the
 target's trunk on the node's path, the adapters over the context with the target's true features and
 over the path with the draft's own proxies (`DraftModel.forward_train`, no cache). The path that matches
 the reply longest is accepted, then the target's next token: the rounds the engine would play with such
@@ -62,10 +63,13 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
     """Greedy rounds of a static tree (`branching[d]` candidates under each node at depth d) over known
     greedy replies: sequences[i][starts[i]] is the first reply token (the prefill's), each round drafts from
     the pending token, accepts the longest matching path and takes the next reply token after it. ->
-    {"rounds", "tokens" (produced by rounds), "tokens_per_round", "nodes_per_round"}."""
+    {"rounds", "tokens" (produced by rounds), "tokens_per_round", "nodes_per_round", "survival": S(1..depth),
+    the probability that a round's first k drafted tokens are accepted (k = 1..depth; rounds whose reply ends
+    before position k do not count at k), as the gamma controller estimates it from the engine's rounds}."""
     device = target.embed_tokens.weight.device
     deep = draft.feature_input == "deep"
     rounds = produced = 0
+    reached, passed = [0] * len(branching), [0] * len(branching)  # per position k: rounds that got to it, accepted it
     nodes = sum(int(torch.tensor(branching[: d + 1]).prod()) for d in range(len(branching)))
 
     def best(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -101,24 +105,34 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
                 if not bool((level == want).all(-1).any()):
                     break
                 accepted = d + 1
+            for k in range(min(accepted + 1, len(branching))):
+                if t + 1 + k < len(seq):
+                    reached[k] += 1
+                    passed[k] += k < accepted
             step = min(accepted + 1, len(seq) - 1 - t)
             rounds += 1
             produced += step
             t += step
+    survival, alive = [], 1.0
+    for r, a in zip(reached, passed):
+        alive *= a / r if r else 0.0
+        survival.append(round(alive, 4))
     return {"rounds": rounds, "tokens": produced, "tokens_per_round": produced / max(rounds, 1),
-            "nodes_per_round": nodes}
+            "nodes_per_round": nodes, "survival": survival}
 
 
-def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], tokens: int, gamma: int) -> int:
-    """How many greedy gamma-chain rounds the engine itself plays on these prompts (its last round of a
-    request may produce tokens past the limit, which it drops: compare rounds, not tokens a round)."""
+def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], tokens: int, gamma: int,
+                        width: int = 1) -> int:
+    """How many greedy rounds the engine itself plays on these prompts: gamma-chains, or trees of `width`
+    first tokens each continued as a chain (`engine.tree`; the static tree "width,1,...,1"). Its last round
+    of a request may produce tokens past the limit, which it drops: compare rounds, not tokens a round."""
     from engine.generate import generate
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
     eng = DecodeEngine(model, tokenizer, max_batch_size=4, max_seq_len=max(map(len, prompts)) + tokens + gamma + 8,
-                       spec=SpecConfig(gamma, gamma))
+                       spec=SpecConfig(gamma, gamma, tree_width=width, tree_max_batch=4))
     eng.add_draft("d", draft)
     outs = generate(eng, prompts, SamplingParams(max_new_tokens=tokens, eos_token_ids=()), "d")
     return sum(o.stats.rounds for o in outs)
@@ -158,10 +172,10 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)
     for tree in trees:
         sim = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], tree)
-        row = {"tree": ",".join(map(str, tree)), **{k: round(v, 4) for k, v in sim.items()}}
-        if all(b == 1 for b in tree):  # a chain: the engine's own rounds beside it
+        row = {"tree": ",".join(map(str, tree)), **{k: round(v, 4) if isinstance(v, float) else v for k, v in sim.items()}}
+        if all(b == 1 for b in tree[1:]) and tree[0] <= 16:  # a chain or the engine's tree: its own rounds beside it
             row["engine_rounds"] = engine_chain_rounds(loaded.model, loaded.tokenizer, drafts[args.domain], prompts,
-                                                       args.tokens, len(tree))
+                                                       args.tokens, len(tree), tree[0])
         print(json.dumps(row), flush=True)
 
 

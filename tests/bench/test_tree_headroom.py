@@ -59,6 +59,11 @@ def test_a_simulated_chain_plays_the_engine_s_rounds_and_a_wider_tree_accepts_mo
     wide = simulate_tree_rounds(target, draft, seqs, starts, (8, 1, 1, 1, 1))
     assert wide["nodes_per_round"] == 40 and wide["tokens_per_round"] > chain["tokens_per_round"]
     assert wide["rounds"] <= -(-29 // 2) * 3  # at least 2 tokens a round (a request's last round may be cut)
+    assert wide["survival"][0] == 1.0 > chain["survival"][0]
+    assert all(a >= b for a, b in zip(chain["survival"], chain["survival"][1:])) and len(chain["survival"]) == 5
+    # The engine's draft trees (engine/tree.py) play the simulated rounds of "width,1,1,1,1" too.
+    three = simulate_tree_rounds(target, draft, seqs, starts, (3, 1, 1, 1, 1))
+    assert three["rounds"] == engine_chain_rounds(target, None, draft, prompts, 30, 5, width=3)
     # The exact draft (an early exit after all the target's layers) accepts whole chains.
     exact = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied"))
     exact.init_from_target()
