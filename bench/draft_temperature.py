@@ -85,26 +85,42 @@ def first_position_stats(target, draft, sequences: list[list[int]], starts: list
     return {tau: totals[tau] / max(count, 1) for tau in taus}, mass / max(count, 1)
 
 
-def main(argv: list[str] | None = None) -> None:
+def replies_parser(description: str, tokens_help: str) -> argparse.ArgumentParser:
+    """The options of the first-position tools (this one, `bench.tree_headroom`): a domain's draft, its held-out
+    prompts, the target's replies to them, the device."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--domain", default="code")
+    parser.add_argument("--drafts", default="drafts/demo", help="folder with <domain>/ drafts")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64, help=tokens_help)
+    parser.add_argument("--split", default="validation")
+    parser.add_argument("--device", default="cpu")
+    return parser
+
+
+def load_replies(args, temperature: float = 0.0):
+    """`replies_parser`'s options -> (the loaded default model, the domain's draft, the prompts, the target's
+    replies (prompt + reply token ids) at this temperature)."""
     from bench.gpu import load_drafts
     from engine.loading import load_model
     from training.evaluate import held_out_prompts
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--domain", default="code")
-    parser.add_argument("--drafts", default="drafts/demo", help="folder with <domain>/ drafts")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64, help="reply tokens sampled per prompt")
-    parser.add_argument("--split", default="validation")
+    loaded = load_model("default", device=args.device)
+    drafts = load_drafts(args.drafts, loaded.model)
+    if args.domain not in drafts:
+        raise SystemExit(f"no {args.domain} draft under {args.drafts}: give --drafts a folder with {args.domain}/")
+    prompts = held_out_prompts(args.domain, loaded.tokenizer, args.prompts, args.split)
+    return loaded, drafts[args.domain], prompts, target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens,
+                                                                temperature)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = replies_parser(__doc__.splitlines()[0], "reply tokens sampled per prompt")
     parser.add_argument("--taus", default="0.6,0.7,0.8,0.9,1.0,1.1")
     parser.add_argument("--temperature", type=float, default=1.0, help="the requests' temperature")
-    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     taus = tuple(float(t) for t in args.taus.split(","))
-    loaded = load_model("default", device=args.device)
-    draft = load_drafts(args.drafts, loaded.model)[args.domain]
-    prompts = held_out_prompts(args.domain, loaded.tokenizer, args.prompts, args.split)
-    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens, args.temperature)
+    loaded, draft, prompts, sequences = load_replies(args, args.temperature)
     result, mass = first_position_stats(loaded.model, draft, sequences, [len(p) for p in prompts], taus,
                                         args.temperature)
     print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),

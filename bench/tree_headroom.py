@@ -28,12 +28,11 @@ a tree (greedy output is the reply either way). Reports tokens a round and nodes
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
-from bench.draft_temperature import target_replies, teacher_forced
+from bench.draft_temperature import load_replies, replies_parser, teacher_forced
 
 
 @torch.no_grad()
@@ -139,20 +138,10 @@ def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], token
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.gpu import load_drafts
-    from engine.loading import load_model
-    from training.evaluate import held_out_prompts
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--domain", default="code")
-    parser.add_argument("--drafts", default="drafts/demo", help="folder with <domain>/ drafts")
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--tokens", type=int, default=64, help="greedy reply tokens per prompt")
-    parser.add_argument("--split", default="validation")
+    parser = replies_parser(__doc__.splitlines()[0], "greedy reply tokens per prompt")
     parser.add_argument("--ks", default="1,2,3,4,8")
     parser.add_argument("--trees", default="",
                         help="static trees to play whole rounds of, ';'-separated branching lists, e.g. '1,1,1,1,1;4,1,1,1,1'")
-    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     ks = tuple(sorted(int(k) for k in args.ks.split(",")))
     if not ks or ks[0] < 1:
@@ -160,22 +149,17 @@ def main(argv: list[str] | None = None) -> None:
     trees = [tuple(int(b) for b in tree.split(",")) for tree in filter(None, args.trees.split(";"))]
     if any(not tree or min(tree) < 1 for tree in trees):
         raise SystemExit(f"--trees {args.trees!r}: give branching lists of positive integers, e.g. '1,1,1,1,1;4,1,1,1,1'")
-    loaded = load_model("default", device=args.device)
-    drafts = load_drafts(args.drafts, loaded.model)
-    if args.domain not in drafts:
-        raise SystemExit(f"no {args.domain} draft under {args.drafts}: give --drafts a folder with {args.domain}/")
-    prompts = held_out_prompts(args.domain, loaded.tokenizer, args.prompts, args.split)
-    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
-    got = top_k_coverage(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], ks)
+    loaded, draft, prompts, sequences = load_replies(args)
+    got = top_k_coverage(loaded.model, draft, sequences, [len(p) for p in prompts], ks)
     print(json.dumps({"domain": args.domain, "drafts": args.drafts, "split": args.split, "prompts": len(prompts),
                       "reply_tokens": args.tokens, "first_position_top_k": {str(k): round(v, 4) for k, v in got.items()}}),
           flush=True)
     for tree in trees:
-        sim = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, [len(p) for p in prompts], tree)
+        sim = simulate_tree_rounds(loaded.model, draft, sequences, [len(p) for p in prompts], tree)
         row = {"tree": ",".join(map(str, tree)), **{k: round(v, 4) if isinstance(v, float) else v for k, v in sim.items()}}
         if all(b == 1 for b in tree[1:]) and tree[0] <= 16:  # a chain or the engine's tree: its own rounds beside it
-            row["engine_rounds"] = engine_chain_rounds(loaded.model, loaded.tokenizer, drafts[args.domain], prompts,
-                                                       args.tokens, len(tree), tree[0])
+            row["engine_rounds"] = engine_chain_rounds(loaded.model, loaded.tokenizer, draft, prompts, args.tokens,
+                                                       len(tree), tree[0])
         print(json.dumps(row), flush=True)
 
 

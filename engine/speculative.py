@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.cache import row_index
+from engine.cache import WindowedKVCache, row_index
 from engine.model import StepContext
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
                              uniform_at)
@@ -351,10 +351,16 @@ def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
 
 
 def tree_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig, greedy: bool) -> bool:
-    """Whether these rows' round is a draft tree (`engine.tree`)."""
-    from engine.tree import tree_width  # engine.tree builds on this module
-
-    return tree_width(eng, slots, drafts, cfg, greedy) > 1
+    """Whether these rows' round is a draft tree of cfg.tree_width (`engine.tree`): a round of at most
+    cfg.tree_max_batch rows that all hold one draft, with caches whose slot is the position, and no seeded sampled
+    request (its tokens would then depend on whether other requests shared its batch; `SpecConfig.tree_seeded`
+    lifts that). Otherwise the chain."""
+    if cfg.tree_width <= 1 or len(slots) > cfg.tree_max_batch:
+        return False
+    if not (greedy or cfg.tree_seeded) and any(not s.request.params.greedy and s.request.params.seed is not None
+                                               for s in slots):
+        return False
+    return all(d is drafts[0] for d in drafts) and not isinstance(eng.draft_cache, WindowedKVCache)
 
 
 def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig, slots: list | None = None,

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import WindowedKVCache, row_index
+from engine.cache import row_index
 from engine.sampling import advance, needs_filters, param_tensors, processed_probs, sample_with, stream_state, uniform_at
 from engine.speculative import draft_features, full_vocab_scores
 from engine.triton_kernels import argmax
@@ -46,22 +46,7 @@ from engine.verify import verify_sampled
 
 if TYPE_CHECKING:
     from engine.scheduler import DecodeEngine
-    from engine.speculative import Draft, SpecConfig  # noqa: F811
-
-
-def tree_width(eng: "DecodeEngine", slots: list, drafts: list["Draft"], cfg: "SpecConfig", greedy: bool) -> int:
-    """The width of this round's tree: cfg.tree_width for a round of at most cfg.tree_max_batch rows that all hold
-    one draft, with caches whose slot is the position, and no seeded sampled request (its tokens would then
-    depend on whether other requests shared its batch; `SpecConfig.tree_seeded` lifts that); 1 (the chain)
-    otherwise."""
-    if cfg.tree_width <= 1 or len(slots) > cfg.tree_max_batch:
-        return 1
-    if not (greedy or cfg.tree_seeded) and any(not s.request.params.greedy and s.request.params.seed is not None
-                                               for s in slots):
-        return 1
-    if any(d is not drafts[0] for d in drafts) or isinstance(eng.draft_cache, WindowedKVCache):
-        return 1
-    return cfg.tree_width
+    from engine.speculative import Draft
 
 
 def tree_layout(pos0: torch.Tensor, width: int, gamma: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,14 +167,14 @@ def launch_tree_round(eng: "DecodeEngine", slots: list, draft: "Draft", gamma: i
         draft_probs = []  # sampled: the distribution each depth's tokens were drawn from, (b, V) or (b, width, V)
 
         def draw(scores, first: int):
-            """Sampled: tokens (b, n) from the draft's scores (b, n, K or V) at draws first .. first + n - 1."""
+            """Sampled: `width` tokens (b, width) from the draft's scores (b, m, K or V) at draws first .. first +
+            width - 1: m == 1, the root's one distribution drawn from `width` times; m == width, one draw each."""
             if sub is None:
                 scores = full_vocab_scores(draft, scores, vocab)
-            probs = processed_probs(scores, draft_temperature, top_k, top_p, filtered)  # (b, n, K or V)
-            n = probs.shape[1]
-            index = torch.stack([sample_with(probs[:, i], draws[:, first + i]) for i in range(n)], dim=1)
-            full = probs if sub is None else probs.new_zeros((b, n, vocab)).scatter_(
-                -1, sub.expand(b, n, -1), probs)
+            probs = processed_probs(scores, draft_temperature, top_k, top_p, filtered)  # (b, m, K or V)
+            m = probs.shape[1]
+            index = torch.stack([sample_with(probs[:, i % m], draws[:, first + i]) for i in range(width)], dim=1)
+            full = probs if sub is None else probs.new_zeros((b, m, vocab)).scatter_(-1, sub.expand(b, m, -1), probs)
             draft_probs.append(full)
             return index if sub is None else sub[index]
 
@@ -229,8 +214,7 @@ def launch_tree_round(eng: "DecodeEngine", slots: list, draft: "Draft", gamma: i
                     top = scores.topk(width, dim=-1).indices  # (b, width)
                     tokens = top if vocab_ids is None else vocab_ids[top]
                 else:
-                    tokens = draw(scores[:, None].expand(b, width, scores.shape[-1]), 0)
-                    draft_probs[-1] = draft_probs[-1][:, :1]  # one root distribution
+                    tokens = draw(scores[:, None], 0)
                 if deep:
                     proxy = p[:, None].expand(b, width, p.shape[-1])
             else:
