@@ -327,6 +327,24 @@ def print_kernels(by: dict, top: int, indent: str) -> None:
         print(f"{indent}{count:4d} x {us / count:6.2f} us = {us:7.1f} us  {name}", flush=True)
 
 
+def kernel_diff(by: dict, base: dict) -> dict:
+    """name -> [count, GPU us] of `by` less `base` (two `kernels_by_name` tables), names that differ only."""
+    out = {}
+    for name in by.keys() | base.keys():
+        (c, us), (c0, us0) = by.get(name, (0, 0.0)), base.get(name, (0, 0.0))
+        if c != c0 or abs(us - us0) >= 0.05:
+            out[name] = [c - c0, us - us0]
+    return out
+
+
+def print_kernel_diff(by: dict, base: dict, top: int, indent: str) -> None:
+    diff = kernel_diff(by, base)
+    count, us = sum(c for c, _ in diff.values()), sum(u for _, u in diff.values())
+    print(f"{indent}{count:+d} kernels, {us / 1000:+.3f} ms of kernel time in all", flush=True)
+    for name, (c, u) in sorted(diff.items(), key=lambda kv: -abs(kv[1][1]))[:top]:
+        print(f"{indent}{c:+4d} kernels {u:+8.1f} us  {name}", flush=True)
+
+
 def fused_default(attention: str):
     """The embedded default target on the GPU in bf16, fused for inference, with `attention`, and the shipped
     drafts, fused: (loaded model, {domain: draft})."""
@@ -349,10 +367,11 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
-    `DecodeEngine(overlap=True)`). After a warm-up pass, a timed
+    `DecodeEngine(overlap=True)`; bs 1 draft trees of width 2 and 3, `SpecConfig.tree_width`). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
-    graphs of each case get a kernel table from one eager run of their step, after every case is timed.
+    graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
+    case's round also gets its kernels less those of the chain's round at the same gamma (`kernel_diff`).
     `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded);
     `sub_vocab_draws`: `SpecConfig.sub_vocab_draws` (False: sampled rounds draw over the whole vocabulary)."""
     from bench.gpu import pick_prompts
@@ -365,27 +384,30 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     model = loaded.model
     data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
     new = 256 if kind == "long" else 20
-    cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True, False),
-             ("bs 8, three drafts, general loop", 8, "mixed", False, False),
-             ("bs 8, code draft", 8, "code", True, False), ("bs 1, code draft", 1, "code", True, False),
-             ("bs 8, plain", 8, None, True, False), ("bs 1, plain", 1, None, True, False),
-             ("bs 1, code draft, overlapped", 1, "code", True, True), ("bs 1, plain, overlapped", 1, None, True, True),
-             ("bs 8, plain, overlapped", 8, None, True, True)]
+    cases = [("bs 8, three drafts, one-graph rounds", 8, "mixed", True, False, 1),
+             ("bs 8, three drafts, general loop", 8, "mixed", False, False, 1),
+             ("bs 8, code draft", 8, "code", True, False, 1), ("bs 1, code draft", 1, "code", True, False, 1),
+             ("bs 8, plain", 8, None, True, False, 1), ("bs 1, plain", 1, None, True, False, 1),
+             ("bs 1, code draft, overlapped", 1, "code", True, True, 1),
+             ("bs 1, plain, overlapped", 1, None, True, True, 1), ("bs 8, plain, overlapped", 8, None, True, True, 1),
+             ("bs 1, code draft, tree 2", 1, "code", True, False, 2),
+             ("bs 1, code draft, tree 3", 1, "code", True, False, 3)]
     if only:
         unknown = set(only) - {c[0] for c in cases}
         if unknown:
             raise SystemExit(f"unknown --cases {sorted(unknown)}; choose from {[c[0] for c in cases]}")
         cases = [c for c in cases if c[0] in only]
-    cases = [(label if t == 0 else f"{label}, T={t:g}", bs, which, one_graph, overlap, t)
-             for label, bs, which, one_graph, overlap in cases for t in temperatures]
+    cases = [(label if t == 0 else f"{label}, T={t:g}", bs, which, one_graph, overlap, width, t)
+             for label, bs, which, one_graph, overlap, width in cases for t in temperatures]
     tables = []  # (case, graph, step): kernel tables after every case is timed (the profiler slows later launches)
-    for label, bs, which, one_graph, overlap, temperature in cases:
+    for label, bs, which, one_graph, overlap, width, temperature in cases:
         if which == "mixed":
             prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
         else:
             prompts, names = data["code"][kind][:bs], [which] * bs
         eng = DecodeEngine(model, loaded.tokenizer, max_batch_size=bs, max_seq_len=max(map(len, prompts)) + new + 16,
-                           spec=SpecConfig(5, 5, sub_vocab_draws=sub_vocab_draws), mixed_round_graph=one_graph,
+                           spec=SpecConfig(5, 5, sub_vocab_draws=sub_vocab_draws, tree_width=width, tree_seeded=True),
+                           mixed_round_graph=one_graph,
                            overlap=overlap)
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
@@ -416,11 +438,18 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
             print("  " + json.dumps(r), flush=True)
             if i < 2:
                 tables.append((label, r["graph"], step))
+    costliest = {}  # case -> kernel table of its costliest graph (a round, for the speculative cases)
     for label, graph, step in tables:
         by = kernels_by_name(lambda step=step: step.fn(**step.static))
+        costliest.setdefault(label, by)
         print(f"{label}: {graph}\n  eager run: {sum(c for c, _ in by.values())} kernels, "
               f"{sum(d for _, d in by.values()) / 1000:.3f} ms of kernel time", flush=True)
         print_kernels(by, top, "    ")
+    for label, by in costliest.items():  # where a tree round's extra time goes: its kernels less the chain's
+        chain = costliest.get(label.replace(", tree 2", "").replace(", tree 3", ""))
+        if ", tree " in label and chain is not None:
+            print(f"{label}, round less the chain's (same gamma):", flush=True)
+            print_kernel_diff(by, chain, top, "    ")
 
 
 @torch.no_grad()

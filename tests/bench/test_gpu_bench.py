@@ -238,3 +238,16 @@ def test_fixed_gamma_rows_also_run_overlapped_on_request(tiny_target):
     plain, overlapped = rows["FlashSpec best drafts, gamma 3"](), rows["FlashSpec best drafts, gamma 3, overlapped"]()
     assert not plain.eng.overlap and overlapped.eng.overlap
     assert overlapped.eng.spec.num_speculative_tokens == 3 == overlapped.eng.spec.block_size
+
+
+def test_kernel_diff_keeps_what_differs_and_signs_it(capsys):
+    from bench.round_profile import kernel_diff, print_kernel_diff
+
+    chain = {"gemm": [10, 60.0], "attention": [4, 20.0], "argmax": [5, 10.0]}
+    tree = {"gemm": [10, 66.0], "attention": [4, 20.0], "mask_and": [3, 9.0], "argmax": [1, 2.0]}
+    diff = kernel_diff(tree, chain)
+    assert diff == {"gemm": [0, 6.0], "mask_and": [3, 9.0], "argmax": [-4, -8.0]}  # same count and time: left out
+    print_kernel_diff(tree, chain, top=2, indent="")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "-1 kernels, +0.007 ms of kernel time in all"
+    assert len(lines) == 3 and "mask_and" in lines[1] and "argmax" in lines[2]  # the two largest by time
