@@ -35,7 +35,8 @@ class ChatMessage(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by chat and completion requests; unknown OpenAI fields are ignored."""
+    """Fields shared by chat and completion requests. OpenAI fields this server does not implement are refused
+    when they ask for something (`UNSUPPORTED`, checked by `parse_body`); other unknown fields are ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -91,8 +92,45 @@ class AdminDraftRequest(BaseModel):
     version: str = Field(min_length=1, description="The draft version to activate ('latest' = newest in the store).")
 
 
+def _off(value) -> bool:
+    """A field left at a value that changes nothing: absent, null, false, 0, empty."""
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+# OpenAI fields this server does not implement, each with the values that would ask for something it does not do
+# (anything but `_off`, unless a test of its own is given) and what to do instead. A request setting one is
+# refused (400 `unsupported_parameter`) rather than answered as if the field were not there: ignoring
+# `presence_penalty` or `logit_bias` would change what the caller asked for without a word. Fields left at their
+# defaults (as some clients send them: `"logprobs": false, "presence_penalty": 0`) pass; other unknown fields are
+# ignored.
+UNSUPPORTED: dict[str, tuple[str, object]] = {
+    "logprobs": ("token log-probabilities are not returned by this server; leave logprobs unset", None),
+    "top_logprobs": ("token log-probabilities are not returned by this server; leave top_logprobs unset", None),
+    "presence_penalty": ("repetition penalties are not applied by this server; leave presence_penalty at 0", None),
+    "frequency_penalty": ("repetition penalties are not applied by this server; leave frequency_penalty at 0", None),
+    "logit_bias": ("logit_bias is not applied by this server; leave it unset", None),
+    "tools": ("tool calling is not supported; leave tools unset", None),
+    "functions": ("function calling is not supported; leave functions unset", None),
+    "response_format": ("only plain text responses are supported; leave response_format unset or {\"type\": \"text\"}",
+                        lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text")),
+    "best_of": ("best_of is not supported; this server returns one completion (leave best_of at 1)",
+                lambda v: _off(v) or v == 1),
+    "echo": ("echo is not supported; prepend the prompt yourself", None),
+    "suffix": ("suffix (insertion) is not supported; leave it unset", None),
+}
+
+
+def check_supported(data: dict) -> None:
+    """APIError 400 for the first field of `UNSUPPORTED` that asks for something this server does not do."""
+    for name, (message, allowed) in UNSUPPORTED.items():
+        if name in data and not (allowed or _off)(data[name]):
+            raise APIError(400, f"unsupported parameter {name}={json.dumps(data[name])[:80]}: {message}",
+                           "unsupported_parameter", name)
+
+
 def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
-    """Bytes -> validated model, or APIError 400 (not UTF-8, not JSON) / 422 (fields)."""
+    """Bytes -> validated model, or APIError 400 (not UTF-8, not JSON, a field the server does not implement
+    asking for something: `UNSUPPORTED`) / 422 (fields)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -105,6 +143,8 @@ def parse_body(raw: bytes, schema: type[BaseModel]) -> BaseModel:
                        "invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", "invalid_json")
+    if issubclass(schema, SamplingFields):
+        check_supported(data)
     try:
         return schema.model_validate(data)
     except ValidationError as exc:

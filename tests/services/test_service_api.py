@@ -157,6 +157,19 @@ def test_bad_params_are_422_with_a_message(client, base):
     _error(_post(base, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}), 422)
 
 
+def test_a_parameter_the_server_does_not_implement_is_400_not_ignored(client, base):
+    with pytest.raises(openai.BadRequestError, match="logprobs") as caught:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=2)
+    assert caught.value.body["code"] == "unsupported_parameter" and caught.value.body["param"] == "logprobs"
+    error = _error(_post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 4, "presence_penalty": 0.6}), 400)
+    assert error["param"] == "presence_penalty" and "at 0" in error["message"]
+    # The same fields at their defaults, as some clients always send them, are served.
+    reply = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                           logprobs=False, presence_penalty=0, frequency_penalty=0, logit_bias={})
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
 def test_prompt_over_the_context_is_400(client):
     with pytest.raises(openai.BadRequestError, match="context is 256"):
         client.completions.create(model="x", prompt="word " * 400, max_tokens=4)
