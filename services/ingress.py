@@ -71,6 +71,19 @@ def _replica_failed(exc: BaseException) -> APIError:
                          "the request was not completed: retry it", "replica_failed")
 
 
+async def _first_item(stream) -> dict:
+    """A Generator stream's first item: admission's answer (APIError where it refused the request)."""
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "the generator returned nothing", "generation_failed") from None
+    except Exception as exc:
+        raise _replica_failed(exc) from None
+    if first["type"] == "error":
+        raise APIError(first["status"], first["message"], first.get("code"), first.get("param"))
+    return first
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -157,7 +170,7 @@ class Ingress:
                 self.metrics.route(decision["domain"], decision["fallback_used"])
             domain = self.policy.check_domain(tenant, decision["domain"] if decision else tenant.pinned_domain,
                                               override=body.domain)
-            self.policy.acquire(tenant, tokens=text_len // 4 + max_tokens)
+            self.policy.acquire(tenant, tokens=text_len // 4 + max_tokens * body.n)
         except RouterError as exc:
             raise _from_router(exc) from None
         speculation = tenant.speculation and body.speculation
@@ -166,35 +179,46 @@ class Ingress:
                "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed, "stop": body.stop,
                "domain": domain, "speculation": speculation,
                "messages" if kind == "chat" else "prompt": payload}
-        stream = self.generator.options(stream=True).generate.remote(job)
-        try:
-            first = await stream.__anext__()
-        except StopAsyncIteration:
-            raise APIError(500, "the generator returned nothing", "generation_failed") from None
-        except Exception as exc:
-            raise _replica_failed(exc) from None
-        if first["type"] == "error":
-            raise APIError(first["status"], first["message"], first.get("code"), first.get("param"))
+        # n choices: n requests of the Generator, batched like any others; choice i samples with seed + i.
+        jobs = [job] if body.n == 1 else [
+            {**job, "request_id": f"{request_id}-{i}", "seed": None if body.seed is None else body.seed + i}
+            for i in range(body.n)]
+        streams = [self.generator.options(stream=True).generate.remote(j) for j in jobs]
+        firsts = await asyncio.gather(*(_first_item(s) for s in streams), return_exceptions=True)
+        failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failed is not None:
+            for s in streams:
+                s.cancel()  # the choices that did start free their Generator slots
+            raise failed if isinstance(failed, APIError) else _replica_failed(failed)
+        first = firsts[0]
         info = {"domain": domain, "draft_version": first["draft_version"], "speculation": first["draft_version"] is not None,
                 "router_confidence": decision["confidence"] if decision else None, "replica": first["replica"]}
         ctx = {"kind": kind, "id": request_id, "created": int(time.time()), "started": started, "info": info,
                "prompt_tokens": first["prompt_tokens"]}
         if body.stream:
-            return StreamingResponse(self._events(stream, ctx), media_type="text/event-stream",
+            return StreamingResponse(self._events(streams, ctx), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id,
                                               "X-FlashSpec-Replica": first["replica"]})
-        return await self._collect(stream, ctx)
+        return await self._collect(streams, ctx)
 
-    def _finish(self, ctx: dict, final: dict, ttft: float | None) -> dict:
-        """Record metrics; the usage and flashspec fields of the last chunk."""
+    def _record(self, ctx: dict, final: dict, ttft: float | None) -> None:
+        """Metrics of one finished choice."""
         info = ctx["info"]
         self.metrics.finished(info["domain"], info["speculation"], final["prompt_tokens"], final["completion_tokens"],
                               ttft, time.perf_counter() - ctx["started"], final["stats"])
-        usage = {"prompt_tokens": final["prompt_tokens"], "completion_tokens": final["completion_tokens"],
-                 "total_tokens": final["prompt_tokens"] + final["completion_tokens"]}
-        return {"usage": usage, "flashspec": {**info, "stats": final["stats"]}}
 
-    async def _collect(self, stream, ctx: dict) -> dict:
+    def _totals(self, ctx: dict, finals: list[dict]) -> dict:
+        """The usage and flashspec fields of a response (or of its last chunk): the prompt counted once, the
+        choices' completions summed; `stats` is the first choice's, and with n > 1 `stats_by_choice` has them all."""
+        prompt, completion = finals[0]["prompt_tokens"], sum(f["completion_tokens"] for f in finals)
+        flashspec = {**ctx["info"], "stats": finals[0]["stats"]}
+        if len(finals) > 1:
+            flashspec["stats_by_choice"] = [f["stats"] for f in finals]
+        return {"usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+                "flashspec": flashspec}
+
+    async def _collect_one(self, stream, ctx: dict) -> tuple[str, dict]:
+        """One choice's whole text and its final item."""
         parts, final, ttft = [], None, None
         try:
             async for item in stream:
@@ -211,52 +235,94 @@ class Ingress:
             raise _replica_failed(exc) from None
         if final is None:
             raise APIError(503, "the generation ended before it finished; retry it", "replica_failed")
-        text, reason = "".join(parts), final["finish_reason"]
-        extra = self._finish(ctx, final, ttft)
-        if ctx["kind"] == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            obj = "text_completion"
-        return {"id": ctx["id"], "object": obj, "created": ctx["created"], "model": self.model_name,
-                "choices": [choice], **extra}
+        self._record(ctx, final, ttft)
+        return "".join(parts), final
 
-    def _chunk(self, ctx: dict, text: str | None, reason: str | None, first: bool = False) -> dict:
+    async def _collect(self, streams: list, ctx: dict) -> dict:
+        try:
+            done = await asyncio.gather(*(self._collect_one(s, ctx) for s in streams))
+        except BaseException:
+            for s in streams:
+                s.cancel()  # one choice failed (or the client left): the others stop too
+            raise
+        choices = []
+        for index, (text, final) in enumerate(done):
+            reason = final["finish_reason"]
+            if ctx["kind"] == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                                "finish_reason": reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": reason})
+        obj = "chat.completion" if ctx["kind"] == "chat" else "text_completion"
+        return {"id": ctx["id"], "object": obj, "created": ctx["created"], "model": self.model_name,
+                "choices": choices, **self._totals(ctx, [final for _, final in done])}
+
+    def _chunk(self, ctx: dict, text: str | None, reason: str | None, first: bool = False, index: int = 0) -> dict:
         if ctx["kind"] == "chat":
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
             obj = "text_completion"
         return {"id": ctx["id"], "object": obj, "created": ctx["created"], "model": self.model_name, "choices": [choice]}
 
-    async def _events(self, stream, ctx: dict):
-        ttft, finished = None, False
+    async def _events(self, streams: list, ctx: dict):
+        """Server-sent events of every choice as they come. One choice: its last chunk carries usage and flashspec.
+        n > 1: each choice's last chunk carries its finish_reason, then one chunk with no choices carries them."""
+        n = len(streams)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for item in stream:
+                    await queue.put((index, item))
+            except Exception as exc:  # noqa: BLE001 - the replica died: the consumer answers in the OpenAI shape
+                await queue.put((index, exc))
+            await queue.put((index, None))  # this choice's stream ended
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        ttft, finals, open_streams = [None] * n, [None] * n, n
         try:
             if ctx["kind"] == "chat":
-                yield _sse(self._chunk(ctx, None, None, first=True))
-            async for item in stream:
+                for i in range(n):
+                    yield _sse(self._chunk(ctx, None, None, first=True, index=i))
+            while open_streams:
+                i, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, Exception):
+                    yield _sse(_replica_failed(item).body())
+                    return
                 if item["type"] == "error":
                     yield _sse(APIError(item["status"], item["message"], item.get("code")).body())
                     return
-                if ttft is None and item["tokens"]:
-                    ttft = time.perf_counter() - ctx["started"]
+                if ttft[i] is None and item["tokens"]:
+                    ttft[i] = time.perf_counter() - ctx["started"]
                 if item["finished"]:
-                    finished = True
-                    chunk = self._chunk(ctx, item["text"], item["finish_reason"])
-                    chunk.update(self._finish(ctx, item, ttft))
+                    finals[i] = item
+                    self._record(ctx, item, ttft[i])
+                    chunk = self._chunk(ctx, item["text"], item["finish_reason"], index=i)
+                    if n == 1:
+                        chunk.update(self._totals(ctx, finals))
                     yield _sse(chunk)
                 elif item["text"]:
-                    yield _sse(self._chunk(ctx, item["text"], None))
+                    yield _sse(self._chunk(ctx, item["text"], None, index=i))
+            if any(f is None for f in finals):  # a stream ended without its last item
+                yield _sse(APIError(503, "the generation ended before it finished; retry it", "replica_failed").body())
+                return
+            if n > 1:
+                obj = "chat.completion.chunk" if ctx["kind"] == "chat" else "text_completion"
+                yield _sse({"id": ctx["id"], "object": obj, "created": ctx["created"], "model": self.model_name,
+                            "choices": [], **self._totals(ctx, finals)})
             yield _sse("[DONE]")
-        except Exception as exc:  # the replica died mid-stream: tell the client in the OpenAI error shape
-            if not isinstance(exc, asyncio.CancelledError):
-                yield _sse(_replica_failed(exc).body())
         finally:
-            if not finished:
-                stream.cancel()  # client gone or failure: free the Generator slot
+            for task in tasks:
+                task.cancel()
+            for stream, final in zip(streams, finals):
+                if final is None:
+                    stream.cancel()  # client gone or failure: free the Generator slot
 
     # ----- admin -----------------------------------------------------------------------------
     def _check_admin(self, authorization: str | None) -> None:

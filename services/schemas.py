@@ -27,6 +27,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
 
+MAX_CHOICES = 16  # `n`: each choice is a request of its own in the Generator's batch
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -45,7 +48,8 @@ class SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Extra field: keep the k most likely tokens (0 = off).")
-    n: int = Field(1, ge=1, le=1, description="Choices per request; this server returns one.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per request, generated side by side (with `seed`: "
+                   "choice i samples with seed + i, so choice 0 is what n=1 gives).")
     stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
     seed: int | None = Field(None, description="Seed for sampling; the same seed gives the same output.")
     stream: bool = Field(False, description="Server-sent events, ending with `data: [DONE]`.")
@@ -113,7 +117,7 @@ UNSUPPORTED: dict[str, tuple[str, object]] = {
     "functions": ("function calling is not supported; leave functions unset", None),
     "response_format": ("only plain text responses are supported; leave response_format unset or {\"type\": \"text\"}",
                         lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text")),
-    "best_of": ("best_of is not supported; this server returns one completion (leave best_of at 1)",
+    "best_of": ("best_of is not supported; ask for n choices instead (leave best_of at 1)",
                 lambda v: _off(v) or v == 1),
     "echo": ("echo is not supported; prepend the prompt yourself", None),
     "suffix": ("suffix (insertion) is not supported; leave it unset", None),

@@ -115,6 +115,38 @@ def test_seeded_sampling_repeats(client):
     assert others - {a}
 
 
+def test_n_choices_are_the_seeds_in_turn_and_stream_as_they_come(client, base):
+    messages = [{"role": "user", "content": "tell me a story"}]
+    singles = [client.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=1.0, seed=s)
+               for s in (7, 8, 9)]
+    reply = client.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.message.content for c in reply.choices] == [r.choices[0].message.content for r in singles]
+    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(r.usage.completion_tokens for r in singles)
+    extra = reply.model_extra["flashspec"]
+    assert extra["stats"] == extra["stats_by_choice"][0] and len(extra["stats_by_choice"]) == 3
+
+    stream = client.chat.completions.create(model="x", messages=messages, max_tokens=8, temperature=1.0, seed=7, n=3,
+                                            stream=True)
+    texts, reasons, usage = ["", "", ""], [None] * 3, None
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+        if chunk.usage is not None:
+            assert not chunk.choices  # n > 1: usage comes in a chunk of its own, after every choice finished
+            usage = chunk.usage
+    assert texts == [c.message.content for c in reply.choices] and None not in reasons
+    assert usage.completion_tokens == reply.usage.completion_tokens
+
+    greedy = client.completions.create(model="x", prompt="def add(a, b):", max_tokens=6, temperature=0, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text == client.completions.create(
+        model="x", prompt="def add(a, b):", max_tokens=6, temperature=0).choices[0].text
+    error = _error(_post(base, "/v1/completions", {"prompt": "hi", "n": 17}), 422)
+    assert error["param"] == "n" and "16" in error["message"]
+
+
 def test_tenant_without_speculation(base):
     out = _post(base, "/v1/completions", {"prompt": "import numpy as np", "max_tokens": 4}, key=KEYS["nospec"]).json()
     assert out["flashspec"]["speculation"] is False and out["flashspec"]["draft_version"] is None
@@ -212,6 +244,35 @@ def test_disconnecting_a_stream_frees_its_slot(base):
         time.sleep(0.1)
     assert h["cache_bytes"] == before["cache_bytes"]
     assert _post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def _drained(base: str, before: dict) -> None:
+    deadline = time.monotonic() + 15
+    while (h := _health(base))["in_flight"] or h["running"] or h["waiting"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.1)
+    assert h["cache_bytes"] == before["cache_bytes"]
+
+
+def test_n_over_the_free_capacity_is_503_and_frees_the_choices_that_started(base):
+    before = _health(base)  # capacity: 4 running + 2 queued; 8 choices cannot all be admitted
+    body = {"prompt": "count to a thousand", "max_tokens": 200, "speculation": False, "n": 8}
+    assert _error(_post(base, "/v1/completions", body), 503)["code"] == "server_overloaded"
+    _drained(base, before)
+    assert _health(base)["steps"] - before["steps"] < 100  # cancelled at once: 8 x 200 tokens would take hundreds
+    assert _post(base, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 4}).status_code == 200
+
+
+def test_disconnecting_a_stream_of_n_choices_frees_every_slot(base):
+    before = _health(base)
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEYS['acme']}"},
+                      json={"prompt": "tell a long story", "max_tokens": 200, "stream": True, "speculation": False,
+                            "n": 3}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert _health(base)["in_flight"] >= 3
+    _drained(base, before)
+    assert _health(base)["steps"] - before["steps"] < 100  # stopped when the client left, not after 200 tokens
 
 
 # ----- draft hot-swap ---------------------------------------------------------------------------
