@@ -184,7 +184,12 @@ class Ingress:
             {**job, "request_id": f"{request_id}-{i}", "seed": None if body.seed is None else body.seed + i}
             for i in range(body.n)]
         streams = [self.generator.options(stream=True).generate.remote(j) for j in jobs]
-        firsts = await asyncio.gather(*(_first_item(s) for s in streams), return_exceptions=True)
+        try:
+            firsts = await asyncio.gather(*(_first_item(s) for s in streams), return_exceptions=True)
+        except BaseException:  # the client left while the choices were admitted
+            for s in streams:
+                s.cancel()
+            raise
         failed = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failed is not None:
             for s in streams:
