@@ -419,7 +419,8 @@ class EngineRow:
         _reset_peak()
         max_len = max(len(p) for p in prompts) + new + 16
         self.gov = SpeculationGovernor(enabled=governor) if governor else None
-        self.controller = GammaController(gamma, pin_seeded=False) if adaptive else None  # T=1 rows are seeded
+        # The T=1 rows are seeded only to fix their draws: no pinning (full gamma, no governor exemption) for them.
+        self.controller = GammaController(gamma, enabled=adaptive, pin_seeded=False)
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
                                 spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap)

@@ -21,7 +21,7 @@ from engine.fused import compile_events
 from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.model import Transformer
-from engine.requests import Request, RequestError, RequestOutput, SlotState
+from engine.requests import Request, RequestError, RequestOutput, SlotState, repeats_its_seed
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
                              stream_state, uniform_at)
 from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, graph_drafts,
@@ -395,6 +395,7 @@ class DecodeEngine:
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
             if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
+                    and not (self.pins_seeded and repeats_its_seed(s.request))
                     and not self.governor.keep_speculating(governed(s.request), running)):
                 s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
@@ -418,8 +419,7 @@ class DecodeEngine:
         ran = graph_drafts(self, drafts) if self.graphs.enabled and self.mixed_round_graph else {id(d) for d in drafts}
         key = (batch_bucket(len(spec_rows)), len(ran), greedy)  # what a round's cost depends on
         # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
-        seeded = self.gamma.pin_seeded and any(not s.request.params.greedy and s.request.params.seed is not None
-                                               for s in spec_rows)
+        seeded = self.pins_seeded and any(repeats_its_seed(s.request) for s in spec_rows)
         if seeded:
             gamma, width = self.spec.num_speculative_tokens, 1
         else:
@@ -429,6 +429,13 @@ class DecodeEngine:
             spec = self._specs[(gamma, width)] = dataclasses.replace(self.spec, num_speculative_tokens=gamma,
                                                                      tree_width=width)
         return spec, (key, names, width)
+
+    @property
+    def pins_seeded(self) -> bool:
+        """Whether seeded sampled requests repeat their tokens whatever their batch and the load
+        (`repeats_its_seed`; `GammaController(pin_seeded=False)` lifts it, for benchmarks whose seeds only fix
+        their draws)."""
+        return self.gamma.pin_seeded
 
     def _report_round(self, report: tuple | None, gamma: int, seconds: float | None, result) -> None:
         if report is not None:
@@ -504,7 +511,8 @@ class DecodeEngine:
             req = self.waiting.popleft()
             slot = free.pop(0)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not self.governor.allow(governed(req), rows):
+            if draft is not None and not (self.pins_seeded and repeats_its_seed(req)) \
+                    and not self.governor.allow(governed(req), rows):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None

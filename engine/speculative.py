@@ -23,6 +23,7 @@ import torch
 
 from engine.cache import WindowedKVCache, row_index
 from engine.model import StepContext
+from engine.requests import repeats_its_seed
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
                              uniform_at)
 from engine.triton_kernels import argmax
@@ -231,6 +232,15 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                 proxy[idx] = g_proxy.to(proxy.dtype)
         return trunk, pred
 
+    # Rows whose drafting never stops early: a seeded sampled request drafts the full gamma whatever the other
+    # rows' drafts trust (`engine.requests.repeats_its_seed`), or its tokens would depend on its batch.
+    pinned = None
+    if cfg.draft_confidence > 0 and not greedy and eng.pins_seeded:
+        flags = [repeats_its_seed(s.request) for s in slots]
+        pinned = torch.tensor(flags, device=device) if any(flags) else None
+    # Each row's draws: its stream's counter at the round's start, moved to a fixed budget past it at the end, so
+    # the next round's draws do not depend on how far the batch went in this one (rows finished early still draw).
+    starts = None if greedy else [s.drawn for s in streams]
     # Per-row outcome of the round.
     done = torch.zeros(b, dtype=torch.bool, device=device)
     num_accepted = torch.zeros(b, dtype=torch.long, device=device)
@@ -254,6 +264,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
                 logits = draft_pred.float()  # top probability = exp(max - logsumexp): no softmax tensor
                 confident = (logits.amax(-1) - logits.logsumexp(-1)).exp() >= cfg.draft_confidence
+                if pinned is not None:
+                    confident = confident | pinned
                 if not bool((confident & ~done).any()):
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break
@@ -319,6 +331,8 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
         if bool(done.all()):
             break
 
+    if starts is not None:
+        settle_draws(streams, starts, round_draws(cfg))
     # Host side: one transfer for the whole round.
     acc = num_accepted.tolist()
     fin = final_token.tolist()
@@ -340,6 +354,22 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     return RoundResult(tokens, acc, dr, ps)
 
 
+def round_draws(cfg: SpecConfig) -> int:
+    """Random draws a sampled round takes per row at most: per block, one a drafted token and one a verified
+    token plus the next token's; and one more for a bonus token when drafting stops between blocks. A one-block
+    round takes 2 * gamma + 1, as the captured round does (`launch_round`)."""
+    blocks = cfg.blocks()
+    return 2 * cfg.num_speculative_tokens + len(blocks) + (len(blocks) > 1)
+
+
+def settle_draws(streams, starts: list[int], budget: int) -> None:
+    """Move each stream to `budget` draws past its round's start (never back: no draw is used twice), so every
+    row's next round starts where its own rounds put it, whatever the other rows of its batch did."""
+    for stream, start in zip(streams, starts):
+        used = (stream.drawn - start) & 0xFFFFFFFF
+        stream.drawn = (start + max(used, budget)) & 0xFFFFFFFF
+
+
 def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
     """The drafts a captured round over rows holding `drafts` runs, in graph order (ascending ids: one graph
     key per draft or per mix): the one draft of a single-draft batch; for a mix, every loaded draft and any
@@ -357,8 +387,7 @@ def tree_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     lifts that). Otherwise the chain."""
     if cfg.tree_width <= 1 or len(slots) > cfg.tree_max_batch:
         return False
-    if not (greedy or cfg.tree_seeded) and any(not s.request.params.greedy and s.request.params.seed is not None
-                                               for s in slots):
+    if not (greedy or cfg.tree_seeded) and any(repeats_its_seed(s.request) for s in slots):
         return False
     return all(d is drafts[0] for d in drafts) and not isinstance(eng.draft_cache, WindowedKVCache)
 

@@ -287,6 +287,23 @@ def test_speculative_requests_are_reproducible_with_a_seed(target):
     assert a[2] != a[3]
 
 
+@pytest.mark.parametrize("spec", [SpecConfig(5, 5, draft_confidence=0.2), SpecConfig(4, 2, draft_confidence=0.2),
+                                  SpecConfig(4, 2)], ids=["early stop", "blocks, early stop", "blocks"])
+def test_a_seeded_request_repeats_its_tokens_whatever_shares_its_batch(target, spec):
+    """Drafting stops early only when no row of the batch trusts its draft, and rows finished in an earlier block
+    still draw while the batch goes on: a seeded sampled request drafts the full gamma and its stream moves a
+    fixed budget a round, so its tokens are the same alone, beside other requests and under a governor."""
+    seeded = SamplingParams(max_new_tokens=40, temperature=0.9, seed=11, eos_token_ids=())
+    others = [SamplingParams(max_new_tokens=40, eos_token_ids=()),
+              SamplingParams(max_new_tokens=40, temperature=1.0, eos_token_ids=())]
+    drafts = [noisy(oracle(target), 0.8), noisy(oracle(target), 0.2, seed=6), noisy(oracle(target), 0.5, seed=7)]
+    alone = spec_generate(target, drafts[:1], spec, lengths=(5,), new=40, params=[seeded])[0]
+    batched = spec_generate(target, drafts, spec, lengths=(5, 9, 7), new=40, params=[seeded, *others])
+    assert alone.stats.rounds > 0 and batched[0].stats.rounds > 0
+    assert batched[0].token_ids == alone.token_ids
+    assert batched[0].stats.drafted == alone.stats.drafted  # the same rounds, not only the same tokens
+
+
 # ----- stop conditions -------------------------------------------------------------------------
 
 

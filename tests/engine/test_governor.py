@@ -343,7 +343,15 @@ def test_greedy_and_sampled_requests_of_a_draft_are_judged_apart(tiny):
     feed(gov, "d", ar_cost=1.0, spec_cost=1e-6)  # greedy: speculation pays
     feed(gov, "d:sampled", ar_cost=1.0, spec_cost=10.0)  # sampled: it does not
     greedy = SamplingParams(max_new_tokens=12, eos_token_ids=())
-    sampled = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=1.0, seed=3)
+    sampled = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=1.0)
     assert generate(eng, [[1, 2, 3]], greedy, "d")[0].stats.rounds > 0
     assert generate(eng, [[1, 2, 3]], sampled, "d")[0].stats is None  # decoded plainly
     assert "d" in ctl.snapshot()["survival"] and "d:sampled" not in ctl.snapshot()["survival"]
+    # A seeded sampled request keeps its speculation whatever the governor says: its tokens must not depend on
+    # the load (GammaController(pin_seeded=False) lifts that, as for its gamma).
+    seeded = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=1.0, seed=3)
+    assert generate(eng, [[1, 2, 3]], seeded, "d")[0].stats.rounds > 0
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov,
+                       gamma=GammaController(3, pin_seeded=False), spec=SpecConfig(3, 3))
+    eng.add_draft("d", draft)
+    assert generate(eng, [[1, 2, 3]], seeded, "d")[0].stats is None
