@@ -50,7 +50,8 @@ class AppArgs(BaseModel):
         0.0, ge=0.0, lt=1.0, description="Stop drafting a round early once no running request's draft gives its next "
                                          "token this probability (0: always draft num_speculative_tokens). Lossless "
                                          "either way; saves draft steps that would mostly be rejected. CUDA's one-graph "
-                                         "greedy rounds always draft them all.")
+                                         "greedy rounds always draft them all, and so do rounds holding a seeded "
+                                         "sampled request (its tokens must not depend on its batch).")
     fused_inference: bool = Field(
         False, description="Fuse the target's and the drafts' layers for inference (one GEMM for q/k/v and for gate/up; "
                            "on CUDA also compiled RMSNorm/RoPE/SiLU): 1.4-2x faster plain decoding on the H200. "
@@ -60,7 +61,8 @@ class AppArgs(BaseModel):
                             "SDPA otherwise; 'triton' one Triton kernel per decode/draft/verify step on CUDA (SDPA for "
                             "prefill and on the CPU); 'sdpa' PyTorch SDPA everywhere; 'flex' FlexAttention. On the H200 "
                             "triton's decode step is 0.95 ms against SDPA's 1.15 (bench/RESULTS.md).")
-    governor: bool = Field(True, description="Switch speculation off per domain while it does not pay.")
+    governor: bool = Field(True, description="Switch speculation off per domain while it does not pay (never for a "
+                                             "seeded sampled request: the same seed gives the same tokens).")
     overlap: bool = Field(
         True, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "
                           "speculative round) from the last one's outcome on the device before the host reads it, so "
