@@ -963,3 +963,17 @@ def test_an_overlapped_round_chain_makes_way_for_a_request_and_survives_a_cancel
     assert got["a"] == alone[0] and got["c"] == alone[2]
     assert got["b"] == alone[1][: len(got["b"])] and len(got["b"]) < 40
     assert eng.chained > 0 and not eng.has_work()
+
+
+def test_a_round_settles_each_stream_a_fixed_budget_past_its_start_and_never_back():
+    from engine.sampling import RandomStream
+    from engine.speculative import round_draws, settle_draws
+
+    assert round_draws(SpecConfig(5, 5)) == 11  # one verify a round: what the captured round advances
+    assert round_draws(SpecConfig(4, 2)) == 2 * 4 + 2 + 1  # two blocks, and a bonus draw between them
+    streams = [RandomStream(1), RandomStream(2), RandomStream(3)]
+    starts = [5, 0xFFFFFFFE, 40]
+    for stream, start, used in zip(streams, starts, (3, 4, 20)):
+        stream.drawn = (start + used) & 0xFFFFFFFF
+    settle_draws(streams, starts, 11)
+    assert [s.drawn for s in streams] == [16, (0xFFFFFFFE + 11) & 0xFFFFFFFF, 60]  # the counter wraps; 20 > 11 kept
