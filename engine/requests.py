@@ -22,9 +22,8 @@ class Request:
 
 def repeats_its_seed(request: Request) -> bool:
     """A seeded sampled request: its tokens must be the same whatever shares its batch and whatever the load, so
-    what its rounds draft is fixed (the full gamma, no early stop: `DecodeEngine._round_spec`,
-    `engine.speculative.spec_round`) and the governor does not switch its speculation (`DecodeEngine._admit`,
-    `DecodeEngine._commit_round`)."""
+    what its rounds draft is fixed (the full gamma, the chain, no early stop: `DecodeEngine._round_spec`) and the
+    governor does not switch its speculation (`DecodeEngine._governor_decides`)."""
     return not request.params.greedy and request.params.seed is not None
 
 

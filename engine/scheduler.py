@@ -121,7 +121,7 @@ class DecodeEngine:
                              f"tree_width ({self.spec.tree_width}; its cache margin is sized for it)")
         if self.spec.tree_width > 1 and self.gamma.widths == (1,):  # each round picks chain or tree too (engine.gamma)
             self.gamma.widths = (1, self.spec.tree_width)
-        self._specs = {}  # SpecConfig per (gamma, tree width) the controller picks
+        self._specs = {}  # SpecConfig per (gamma, tree width, draft_confidence) a round runs (`_spec_at`)
         # Deep-feature drafts: the target's final hidden states of the last round, per cache row.
         hidden = model.args.hidden_size
         self._deep_ready = False
@@ -395,7 +395,7 @@ class DecodeEngine:
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
             if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
-                    and not (self.pins_seeded and repeats_its_seed(s.request))
+                    and self._governor_decides(s.request)
                     and not self.governor.keep_speculating(governed(s.request), running)):
                 s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
@@ -409,26 +409,38 @@ class DecodeEngine:
     def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
         """This round's SpecConfig: gamma (and, where the batch may take a draft tree, its width: chain or tree) at
         the gamma controller's choice when it is on (`engine.gamma`), with what to report back to it, (key, draft
-        names, width); else the engine's."""
+        names, width); else the engine's. A round holding a seeded sampled request drafts what it always drafts
+        (`repeats_its_seed`): the full gamma, the chain, no `draft_confidence` stop (a batch's stop, which would
+        make its tokens depend on the other rows)."""
+        seeded = self.pins_seeded and any(repeats_its_seed(s.request) for s in spec_rows)
         if not self.gamma.enabled:
-            return self.spec, None
+            return (self._spec_at(self.spec.num_speculative_tokens, 1, pinned=True) if seeded else self.spec), None
         names = [governed(s.request) for s in spec_rows]
         drafts = [s.draft for s in spec_rows]
         greedy = all(s.request.params.greedy for s in spec_rows)
         # A one-graph mixed round runs every loaded draft (`graph_drafts`): priced as such.
         ran = graph_drafts(self, drafts) if self.graphs.enabled and self.mixed_round_graph else {id(d) for d in drafts}
         key = (batch_bucket(len(spec_rows)), len(ran), greedy)  # what a round's cost depends on
-        # A seeded sampled request repeats its tokens only if its rounds draft what they always drafted.
-        seeded = self.pins_seeded and any(repeats_its_seed(s.request) for s in spec_rows)
         if seeded:
             gamma, width = self.spec.num_speculative_tokens, 1
         else:
             gamma, width = self.gamma.choose_arm(names, key, tree_round(self, spec_rows, drafts, self.spec, greedy))
-        spec = self._specs.get((gamma, width))
+        return self._spec_at(gamma, width, pinned=seeded), (key, names, width)
+
+    def _spec_at(self, gamma: int, width: int, pinned: bool = False) -> SpecConfig:
+        """The engine's SpecConfig at this gamma and tree width (pinned: without the `draft_confidence` stop), made
+        once."""
+        confidence = 0.0 if pinned else self.spec.draft_confidence
+        spec = self._specs.get((gamma, width, confidence))
         if spec is None:
-            spec = self._specs[(gamma, width)] = dataclasses.replace(self.spec, num_speculative_tokens=gamma,
-                                                                     tree_width=width)
-        return spec, (key, names, width)
+            spec = self._specs[(gamma, width, confidence)] = dataclasses.replace(
+                self.spec, num_speculative_tokens=gamma, tree_width=width, draft_confidence=confidence)
+        return spec
+
+    def _governor_decides(self, request: Request) -> bool:
+        """Whether the governor may switch this request's speculation: not a seeded sampled request's while seeds
+        are pinned (a plain step and a round draw differently: the same seed would give other tokens)."""
+        return not (self.pins_seeded and repeats_its_seed(request))
 
     @property
     def pins_seeded(self) -> bool:
@@ -511,8 +523,7 @@ class DecodeEngine:
             req = self.waiting.popleft()
             slot = free.pop(0)
             draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and not (self.pins_seeded and repeats_its_seed(req)) \
-                    and not self.governor.allow(governed(req), rows):
+            if draft is not None and self._governor_decides(req) and not self.governor.allow(governed(req), rows):
                 draft = None  # speculation does not pay for this draft right now: plain decoding
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None

@@ -232,12 +232,6 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
                 proxy[idx] = g_proxy.to(proxy.dtype)
         return trunk, pred
 
-    # Rows whose drafting never stops early: a seeded sampled request drafts the full gamma whatever the other
-    # rows' drafts trust (`engine.requests.repeats_its_seed`), or its tokens would depend on its batch.
-    pinned = None
-    if cfg.draft_confidence > 0 and not greedy and eng.pins_seeded:
-        flags = [repeats_its_seed(s.request) for s in slots]
-        pinned = torch.tensor(flags, device=device) if any(flags) else None
     # Each row's draws: its stream's counter at the round's start, moved to a fixed budget past it at the end, so
     # the next round's draws do not depend on how far the batch went in this one (rows finished early still draw).
     starts = None if greedy else [s.drawn for s in streams]
@@ -264,8 +258,6 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
             if (j > 0 or block_no > 0) and cfg.draft_confidence > 0:
                 logits = draft_pred.float()  # top probability = exp(max - logsumexp): no softmax tensor
                 confident = (logits.amax(-1) - logits.logsumexp(-1)).exp() >= cfg.draft_confidence
-                if pinned is not None:
-                    confident = confident | pinned
                 if not bool((confident & ~done).any()):
                     stopped = True  # no live row trusts its next token: verify the j drafted so far
                     break

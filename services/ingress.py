@@ -71,6 +71,11 @@ def _replica_failed(exc: BaseException) -> APIError:
                          "the request was not completed: retry it", "replica_failed")
 
 
+def _item_error(item: dict) -> APIError:
+    """A Generator stream's error item as the API error it answers."""
+    return APIError(item["status"], item["message"], item.get("code"), item.get("param"))
+
+
 async def _first_item(stream) -> dict:
     """A Generator stream's first item: admission's answer (APIError where it refused the request)."""
     try:
@@ -80,7 +85,7 @@ async def _first_item(stream) -> dict:
     except Exception as exc:
         raise _replica_failed(exc) from None
     if first["type"] == "error":
-        raise APIError(first["status"], first["message"], first.get("code"), first.get("param"))
+        raise _item_error(first)
     return first
 
 
@@ -228,7 +233,7 @@ class Ingress:
         try:
             async for item in stream:
                 if item["type"] == "error":
-                    raise APIError(item["status"], item["message"], item.get("code"), item.get("param"))
+                    raise _item_error(item)
                 if ttft is None and item["tokens"]:
                     ttft = time.perf_counter() - ctx["started"]
                 parts.append(item["text"])
@@ -301,7 +306,7 @@ class Ingress:
                     yield _sse(_replica_failed(item).body())
                     return
                 if item["type"] == "error":
-                    yield _sse(APIError(item["status"], item["message"], item.get("code")).body())
+                    yield _sse(_item_error(item).body())
                     return
                 if ttft[i] is None and item["tokens"]:
                     ttft[i] = time.perf_counter() - ctx["started"]
