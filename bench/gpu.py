@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from bench.ar import setup_line
-from engine import triton_layer
+from engine import triton_kernels, triton_layer
 from engine.attention import BACKENDS
 
 
@@ -792,7 +792,8 @@ def main_table(bench: Bench, args) -> list[str]:
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
              f"prompts {args.prompts} (long cells max(bs, {args.long_prompts}) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else "")
              + (f" ({args.short_passes} in the short cells)" if args.short_passes else "")
-             + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}",
+             + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}"
+             + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

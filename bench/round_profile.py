@@ -363,7 +363,8 @@ def fused_default(attention: str):
 
 @torch.no_grad()
 def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[str] | None = None,
-                  temperatures: tuple[float, ...] = (0.0,), sub_vocab_draws: bool = True) -> None:
+                  temperatures: tuple[float, ...] = (0.0,), sub_vocab_draws: bool = True,
+                  sampling_compare: bool = False) -> None:
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
@@ -373,7 +374,9 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
     case's round also gets its kernels less those of the chain's round at the same gamma (`kernel_diff`).
     `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded);
-    `sub_vocab_draws`: `SpecConfig.sub_vocab_draws` (False: sampled rounds draw over the whole vocabulary)."""
+    `sub_vocab_draws`: `SpecConfig.sub_vocab_draws` (False: sampled rounds draw over the whole vocabulary);
+    `sampling_compare`: each sampled case also with `engine.triton_kernels.SAMPLING` off (", torch sampling":
+    softmax and inverse-CDF draws as torch ops), and its round's kernels less the kernels-on round's."""
     from bench.gpu import pick_prompts
     from engine.generate import generate
     from engine.sampling import SamplingParams
@@ -397,10 +400,15 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         if unknown:
             raise SystemExit(f"unknown --cases {sorted(unknown)}; choose from {[c[0] for c in cases]}")
         cases = [c for c in cases if c[0] in only]
-    cases = [(label if t == 0 else f"{label}, T={t:g}", bs, which, one_graph, overlap, width, t)
-             for label, bs, which, one_graph, overlap, width in cases for t in temperatures]
-    tables = []  # (case, graph, step): kernel tables after every case is timed (the profiler slows later launches)
-    for label, bs, which, one_graph, overlap, width, temperature in cases:
+    cases = [(label if t == 0 else f"{label}, T={t:g}{'' if fast else ', torch sampling'}", bs, which, one_graph,
+              overlap, width, t, fast)
+             for label, bs, which, one_graph, overlap, width in cases for t in temperatures
+             for fast in ((False, True) if t > 0 and sampling_compare else (triton_kernels.SAMPLING,))]
+    tables = []  # (case, graph, step, sampling kernels): kernel tables after every case is timed (the profiler
+    # slows later launches)
+    default_sampling = triton_kernels.SAMPLING
+    for label, bs, which, one_graph, overlap, width, temperature, fast in cases:
+        triton_kernels.SAMPLING = fast
         if which == "mixed":
             prompts, names = pick_prompts(data, kind, bs, short_prompts=bs, long_prompts=bs)
         else:
@@ -431,15 +439,16 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         rounds = sum(o.stats.rounds for o in outs if o.stats)
         print(json.dumps({"case": label, "kind": kind, "attention": model.backend.name, "tokens": tokens,
                           "wall_ms": round(wall * 1000, 1), "tps": round(tokens / wall, 1), "rounds": rounds,
-                          "graphs_ms": round(sum(r["total_ms"] for r in rows), 1),
+                          "graphs_ms": round(sum(r["total_ms"] for r in rows), 1), "sampling_kernels": fast,
                           "graphs_in_pass": eng.graphs.captures - captured}), flush=True)
         for i, r in enumerate(rows):
             step = r.pop("step")
             print("  " + json.dumps(r), flush=True)
             if i < 2:
-                tables.append((label, r["graph"], step))
+                tables.append((label, r["graph"], step, fast))
     costliest = {}  # case -> kernel table of its costliest graph (a round, for the speculative cases)
-    for label, graph, step in tables:
+    for label, graph, step, fast in tables:
+        triton_kernels.SAMPLING = fast
         by = kernels_by_name(lambda step=step: step.fn(**step.static))
         costliest.setdefault(label, by)
         print(f"{label}: {graph}\n  eager run: {sum(c for c, _ in by.values())} kernels, "
@@ -450,6 +459,11 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         if ", tree " in label and chain is not None:
             print(f"{label}, round less the chain's (same gamma):", flush=True)
             print_kernel_diff(by, chain, top, "    ")
+        fast = costliest.get(label.replace(", torch sampling", ""))
+        if label.endswith(", torch sampling") and fast is not None:
+            print(f"{label}, round less the same round with the sampling kernels:", flush=True)
+            print_kernel_diff(by, fast, top, "    ")
+    triton_kernels.SAMPLING = default_sampling
 
 
 @torch.no_grad()
@@ -550,6 +564,10 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="--warmup with DecodeEngine(overlap=True)")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
+    parser.add_argument("--no-sampling-kernels", action="store_true",
+                        help="without engine.triton_kernels' tempered softmax and inverse-CDF draw (torch ops instead)")
+    parser.add_argument("--sampling-compare", action="store_true",
+                        help="--engine-graphs: each sampled case also without the sampling kernels, and the kernel diff")
     parser.add_argument("--no-layer-kernels", action="store_true",
                         help="without engine.triton_layer (separate norm, projection, RoPE and SiLU kernels)")
     parser.add_argument("--layer-sweep", default=None, metavar="OUT", nargs="?", const="",
@@ -557,6 +575,7 @@ def main() -> None:
     args = parser.parse_args()
     triton_kernels.ENABLED = not args.no_small_kernels
     triton_layer.ENABLED = not args.no_layer_kernels
+    triton_kernels.SAMPLING = not args.no_sampling_kernels
     if not torch.cuda.is_available():
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.layer_sweep is not None:
@@ -573,7 +592,7 @@ def main() -> None:
         engine_graphs(args.attention, args.engine_graphs,
                       only=args.cases.split(";") if args.cases else None,
                       temperatures=tuple(float(t) for t in args.temperatures.split(",")),
-                      sub_vocab_draws=not args.full_vocab_draws)
+                      sub_vocab_draws=not args.full_vocab_draws, sampling_compare=args.sampling_compare)
     else:
         round_pieces(args.domain, args.attention, not args.unfused)
 

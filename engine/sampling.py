@@ -54,6 +54,10 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
     filtered=False promises that no row uses top-k or top-p (the caller knows from the parameters): the
     sort over the vocabulary they need is skipped, which is most of the cost on a CPU.
     """
+    if not filtered:
+        fast = triton_kernels.tempered_softmax(logits, temperature)  # one launch on CUDA
+        if fast is not None:
+            return fast
     logits = logits.float()
     extra = (1,) * (logits.dim() - 2)
     temp = temperature.view(-1, *extra, 1)
@@ -165,6 +169,9 @@ def uniform(shape: tuple[int, ...], streams: list[RandomStream], device: torch.d
 
 def sample_with(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row from probs (B, V) (need not sum to 1) by inverse CDF at the uniforms u (B,)."""
+    fast = triton_kernels.inverse_cdf(probs, u)  # one launch on CUDA
+    if fast is not None:
+        return fast
     cdf = probs.double().cumsum(-1)  # float64: no token's share drifts by float32 rounding over the vocabulary
     total = cdf[:, -1:]
     # u < 1, but the product can round up to the total: keep the point below it, so the first entry of

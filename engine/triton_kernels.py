@@ -1,6 +1,6 @@
 """Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
 (alone, or with the fused path's rotary embedding), the argmax over the vocabulary, and the sampled
-steps' uniform draws.
+steps' uniform draws, tempered softmax and inverse-CDF draw.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
 (on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
@@ -8,6 +8,13 @@ keys and values through advanced indexing costs 5-6 kernels (an `arange`, index 
 scatter for K and one for V) and 7-12 us a layer, about a sixth of a decode step; `kv_write` does the
 same copy in one launch. It is an exact copy: nothing downstream changes by a bit. `argmax` returns
 exactly torch.argmax's index (the first of equal maxima) in about a fifth of its time on one row.
+
+A sampled round draws gamma tokens from the draft and one from the verifier's residual; in torch each draw
+is a softmax with its temperature and one-hot guards, then a float64 cumulative sum and a sorted search,
+about twenty kernels over the vocabulary. `tempered_softmax` and `inverse_cdf` do each half in one launch.
+They give the same distribution, not always the same bits: a probability can differ from torch's in its
+last bits (another summation order), so a draw lying within rounding of a CDF entry can pick its neighbour.
+Both the captured round and the general loop use them, so the two still give the same tokens on a GPU.
 
 Every function returns False / None for a call it does not serve (CPU tensors outside Triton's
 interpreter, dtypes or shapes it is not written for); the caller then does the work as before.
@@ -17,10 +24,14 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 import torch
 
 ENABLED = True  # False: every function here declines, callers do the work as before (A/B runs: bench.round_profile)
+# False (or FLASHSPEC_SAMPLING_KERNELS=0 in the environment): only the sampling kernels (tempered_softmax,
+# inverse_cdf) decline, for A/B runs (bench.gpu's setup line says which; bench.round_profile --sampling-compare)
+SAMPLING = os.environ.get("FLASHSPEC_SAMPLING_KERNELS", "1") != "0"
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,7 +141,72 @@ def _kernels():
         bits = x
         tl.store(OUT + b * per_row + j, (bits >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=j < per_row)
 
-    return kv_write_kernel, argmax_partial, argmax_final, rope_kv_write_kernel, uniform_kernel
+    @triton.jit
+    def tempered_softmax_kernel(X, TEMP, OUT, sxr, sor, rows_per_temp, V: tl.constexpr, BLOCK: tl.constexpr):
+        """Program row: softmax(x / t) of its row in fp32, t = TEMP[row // rows_per_temp]; t == 0: one-hot at the
+        first largest x (NaN counts as largest). Two passes: running max and sum, then the probabilities."""
+        r = tl.program_id(0)
+        t = tl.load(TEMP + r // rows_per_temp)
+        offs0 = tl.arange(0, BLOCK)
+        x_row = X + r.to(tl.int64) * sxr
+        o_row = OUT + r.to(tl.int64) * sor
+        if t == 0:
+            best = -float("inf")
+            at = 0
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                x = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+                x = tl.where(x != x, float("inf"), x)
+                v, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+                at = tl.where(v > best, start + i, at)
+                best = tl.maximum(best, v)
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                tl.store(o_row + offs, tl.where(offs == at, 1.0, 0.0), mask=offs < V)
+        else:
+            m = -float("inf")
+            s = 0.0
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                x = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32) / t
+                m_new = tl.maximum(m, tl.max(x, 0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+                m = m_new
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                x = tl.load(x_row + offs, mask=offs < V, other=-float("inf")).to(tl.float32) / t
+                tl.store(o_row + offs, tl.exp(x - m) / s, mask=offs < V)
+
+    @triton.jit
+    def inverse_cdf_kernel(P, U, OUT, spr, su, V: tl.constexpr, BLOCK: tl.constexpr):
+        """Program row: the number of fp64 CDF entries at or below u * total (a sorted search), capped at the
+        last token of positive probability. The CDF is summed block by block in the same order by both passes,
+        so the total is exactly its last entry."""
+        r = tl.program_id(0)
+        offs0 = tl.arange(0, BLOCK)
+        p_row = P + r.to(tl.int64) * spr
+        total = tl.zeros((), tl.float64)
+        last = 0
+        for start in range(0, V, BLOCK):
+            offs = start + offs0
+            p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
+            c = tl.cumsum(p, 0) + total
+            total = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
+            last = tl.maximum(last, tl.max(tl.where(p > 0, offs, 0), 0))
+        point = tl.load(U + r * su).to(tl.float64) * total
+        below = 0
+        carry = tl.zeros((), tl.float64)
+        for start in range(0, V, BLOCK):
+            offs = start + offs0
+            p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
+            c = tl.cumsum(p, 0) + carry
+            carry = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
+            below += tl.sum(tl.where((c <= point) & (offs < V), 1, 0), 0)
+        tl.store(OUT + r, tl.minimum(below, last).to(tl.int64))
+
+    return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
+                                 rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
+                                 tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,7 +248,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torc
     if bsz * t == 0:
         return True
     row_ptr, row0, has_rows = _row_args(rows, input_pos)
-    _kernels()[0][(bsz * t,)](
+    _kernels().kv_write[(bsz * t,)](
         k, v, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
         H=heads, D=d, HP=max(1, 1 << (heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1)
@@ -201,7 +277,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     if bsz * t == 0:
         return q
     row_ptr, row0, has_rows = _row_args(rows, input_pos)
-    _kernels()[3][(bsz * t,)](
+    _kernels().rope_kv_write[(bsz * t,)](
         qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *qkv.stride(), *cos.stride(), *q.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
         HQ=heads, HKV=kv_heads, D=d, HQP=max(1, 1 << (heads - 1).bit_length()),
@@ -218,7 +294,7 @@ def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.
         return None
     out = torch.empty(rows, per_row, device=state.device, dtype=torch.float32)
     if rows:
-        _kernels()[4][(rows,)](state, out, offset, per_row, *state.stride(),
+        _kernels().uniform[(rows,)](state, out, offset, per_row, *state.stride(),
                                BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1)
     return out
 
@@ -240,7 +316,47 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     val = torch.empty(n, chunks, device=x.device, dtype=torch.float32)
     idx = torch.empty(n, chunks, device=x.device, dtype=torch.int64)
     out = torch.empty(n, device=x.device, dtype=torch.int64)
-    _, partial, final = _kernels()[:3]
-    partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
-    final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    kernels = _kernels()
+    kernels.argmax_partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
+    kernels.argmax_final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
     return out.view(x.shape[:-1])
+
+
+def _sampling_launch(v: int) -> dict:
+    """A sampling kernel's vocabulary block (at most 8,192 entries a pass: a draft's sub-vocabulary at once, the
+    target's 49,152 in 6) and warps (16 entries a thread): one program a row streams its row in few steps."""
+    block = min(8192, max(16, 1 << (v - 1).bit_length()))
+    return {"V": v, "BLOCK": block, "num_warps": max(1, min(16, block // 512))}
+
+
+def tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor | None:
+    """`engine.sampling.processed_probs` without top-k / top-p in one launch: logits (B, ..., V) of any float
+    dtype, temperature (B,) float32 -> float32 probabilities (B, ..., V), softmax(logits / t) per row, one-hot
+    at the argmax where t == 0. In torch that is about ten kernels over the vocabulary (a sampled round drafts
+    gamma times and verifies once). The same distribution; a probability may differ from torch's in its last
+    bits (another summation order). None for calls it does not serve."""
+    v = logits.shape[-1] if logits.dim() >= 2 else 0
+    if (not ENABLED or not SAMPLING or not available() or not served(logits, temperature) or v == 0 or logits.numel() == 0
+            or logits.dtype not in (torch.float32, torch.bfloat16, torch.float16) or logits.stride(-1) != 1
+            or temperature.dtype != torch.float32 or temperature.shape != (logits.shape[0],)):
+        return None
+    rows = logits.reshape(-1, v)
+    out = torch.empty(rows.shape, device=logits.device, dtype=torch.float32)
+    _kernels().tempered_softmax[(rows.shape[0],)](rows, temperature.contiguous(), out, rows.stride(0), out.stride(0),
+                                                  rows.shape[0] // logits.shape[0], **_sampling_launch(v))
+    return out.view(logits.shape)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """`engine.sampling.sample_with` in one launch: probs (B, V) float32 (need not sum to 1), u (B,) float32 in
+    [0, 1) -> (B,) int64, the first token whose float64 CDF passes u * total (never one of zero probability).
+    In torch a cast, a float64 cumulative sum, a search and the guards around it: about ten kernels. The same
+    token but where u * total lands within float64 rounding of a CDF entry. None for calls it does not serve."""
+    if (not ENABLED or not SAMPLING or not available() or not served(probs, u) or probs.dim() != 2 or probs.dtype != torch.float32
+            or probs.shape[1] == 0 or probs.stride(-1) != 1 or u.shape != (probs.shape[0],) or u.dtype != torch.float32):
+        return None
+    out = torch.empty(probs.shape[0], device=probs.device, dtype=torch.int64)
+    if probs.shape[0]:
+        _kernels().inverse_cdf[(probs.shape[0],)](probs, u, out, probs.stride(0), u.stride(0),
+                                                  **_sampling_launch(probs.shape[1]))
+    return out

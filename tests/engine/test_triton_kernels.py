@@ -153,3 +153,50 @@ print("ok")
 
 def test_uniform_draws_are_the_torch_hashs_bit_for_bit_in_the_interpreter(triton_interpreter):
     triton_interpreter(UNIFORM)
+
+
+SAMPLING = """
+import torch
+import engine.triton_kernels as tk
+from engine.sampling import processed_probs, sample_with
+
+def torch_path(fn, *args, **kwargs):
+    tk.SAMPLING = False
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        tk.SAMPLING = True
+
+torch.manual_seed(0)
+# tempered softmax: rows of (B, ..., V), each row's temperature (0: one-hot at the first largest logit)
+for shape, temps, dtype in (((3, 5000), (0.7, 0.0, 1.3), torch.float32), ((2, 3, 3000), (1.0, 0.0), torch.bfloat16),
+                            ((2, 9000), (0.5, 2.0), torch.float32), ((1, 1), (1.0,), torch.float32)):
+    x = (torch.randn(shape) * 3).to(dtype)
+    if shape[-1] > 200:
+        x[..., 100] = x[..., 150] = x.amax(-1)  # equal maxima: the first for a greedy row, as torch.argmax
+    t = torch.tensor(temps)
+    none, ones = torch.zeros(len(temps), dtype=torch.long), torch.ones(len(temps))
+    fast = tk.tempered_softmax(x, t)
+    ref = torch_path(processed_probs, x, t, none, ones, filtered=False)
+    assert fast is not None and fast.dtype == torch.float32 and fast.shape == ref.shape
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-7)
+    assert torch.equal(processed_probs(x, t, none, ones, filtered=False), fast)  # the fast path is processed_probs'
+    assert tk.tempered_softmax(x, t.double()) is None  # a call it does not serve: the caller's torch code runs
+# inverse CDF: the same token as sample_with's float64 search for every draw, zero-probability tails never drawn
+for v in (7, 1500, 8192, 9000):
+    p = torch.rand(4, v) ** 4
+    p[:2, v // 2:] = 0  # two rows end in zeros
+    u = torch.rand(150, 4)
+    u[0] = 1 - 2**-24  # the largest draw: the last token of positive probability
+    for i in range(u.shape[0]):
+        fast = tk.inverse_cdf(p, u[i])
+        assert torch.equal(fast, torch_path(sample_with, p, u[i])), (v, i)
+        assert (p.gather(1, fast[:, None]) > 0).all()
+    draws = torch.rand(4, 3)  # a column of the round's draws: strided
+    assert torch.equal(tk.inverse_cdf(p, draws[:, 1]), torch_path(sample_with, p, draws[:, 1].contiguous()))
+print("ok")
+"""
+
+
+def test_sampling_kernels_match_the_torch_path_in_the_interpreter(triton_interpreter):
+    triton_interpreter(SAMPLING)

@@ -73,11 +73,13 @@ def test_adaptive_gamma_graphs_match_plain_decoding(head_vocab):
     assert len({k[3] for k in eng.graphs.graphs if k[0] == "greedy-round"}) == 5
 
 
+@pytest.mark.parametrize("filtered", [True, False], ids=["top-p rows", "plain T=1"])
 @pytest.mark.parametrize("feature", ["none", "deep", "deep, sub-vocabulary"])
-def test_sampled_graphs_match_eager(feature):
+def test_sampled_graphs_match_eager(feature, filtered):
     """T=1 rows: the one-graph sampled round (block == gamma) and the multi-step sampled plain decoding
     draw the same numbers as the eager loop: same seeded tokens, with real CUDA graphs, in fp32; a draft
-    scoring a sub-vocabulary draws over it in both."""
+    scoring a sub-vocabulary draws over it in both. Without top-p rows the probabilities come from the
+    tempered-softmax kernel in both (with them, from the sort)."""
     target = tiny_target(torch.float32)
     sub = feature.endswith("sub-vocabulary")
     draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied",
@@ -90,7 +92,7 @@ def test_sampled_graphs_match_eager(feature):
             p.add_(0.2 * torch.randn_like(p))  # some rejections
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [3, 3, 3, 3]]
     params = [SamplingParams(max_new_tokens=n, eos_token_ids=(), temperature=1.0, top_p=p, seed=i)
-              for i, (n, p) in enumerate(((40, 1.0), (23, 0.9), (31, 1.0), (40, 0.8)))]
+              for i, (n, p) in enumerate(((40, 1.0), (23, 0.9 if filtered else 1.0), (31, 1.0), (40, 0.8 if filtered else 1.0)))]
     outs = {}
     for graphs in (False, True):
         for name, d in (("ar", None), ("spec", "d")):

@@ -1,5 +1,5 @@
 """engine/triton_kernels.py on the GPU: the one-launch KV-cache write is the indexing write bit for bit,
-and the two-pass argmax is torch.argmax. Skipped without CUDA."""
+and the two-pass argmax is torch.argmax; the sampling kernels give torch's distribution and tokens. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -87,3 +87,64 @@ def test_uniform_draws_equal_the_torch_hash(monkeypatch):
         monkeypatch.setattr(triton_kernels, "ENABLED", True)
         assert torch.equal(fast, ref)
     assert triton_kernels.uniform(state, 0, 8, 3) is not None
+
+
+def _torch_path(monkeypatch, fn, *args, **kwargs):
+    monkeypatch.setattr(triton_kernels, "SAMPLING", False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        monkeypatch.setattr(triton_kernels, "SAMPLING", True)
+
+
+@pytest.mark.parametrize("shape", [(1, 8192), (8, 8192), (1, 6, 49152), (8, 6, 49152), (3, 5000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tempered_softmax_equals_torch(monkeypatch, shape, dtype):
+    from engine.sampling import processed_probs
+
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    x = (3 * torch.randn(shape, device="cuda", generator=g)).to(dtype)
+    x[..., 77] = x[..., 99] = x.amax(-1)  # equal maxima: a greedy row's one-hot at the first, as torch.argmax
+    t = torch.tensor([0.0, 1.0, 0.6, 1.7, 1.0, 0.0, 2.5, 1.0][: shape[0]], device="cuda")
+    none, ones = torch.zeros(shape[0], dtype=torch.long, device="cuda"), torch.ones(shape[0], device="cuda")
+    fast = triton_kernels.tempered_softmax(x, t)
+    ref = _torch_path(monkeypatch, processed_probs, x, t, none, ones, filtered=False)
+    torch.testing.assert_close(fast, ref, rtol=2e-5, atol=1e-7)
+    greedy = (t == 0).view(-1, *([1] * (len(shape) - 1)))
+    assert torch.equal(torch.where(greedy, fast, 0), torch.where(greedy, ref, 0))  # one-hot rows exactly
+
+
+@pytest.mark.parametrize("v", [8192, 49152, 5000])
+def test_inverse_cdf_equals_the_float64_search(monkeypatch, v):
+    from engine.sampling import sample_with
+
+    g = torch.Generator(device="cuda").manual_seed(v)
+    p = torch.rand(8, v, device="cuda", generator=g) ** 6
+    p[:3, v // 3:] = 0  # zero tails are never drawn
+    u = torch.rand(256, 8, device="cuda", generator=g)
+    u[0] = 1 - 2**-24
+    for i in range(u.shape[0]):
+        fast = triton_kernels.inverse_cdf(p, u[i])
+        assert torch.equal(fast, _torch_path(monkeypatch, sample_with, p, u[i])), i
+    assert (p.gather(1, fast[:, None]) > 0).all()
+
+
+def test_sampling_kernels_inside_a_cuda_graph():
+    x = torch.randn(4, 8192, device="cuda")
+    t = torch.tensor([1.0, 0.0, 0.7, 1.0], device="cuda")
+    u = torch.rand(4, device="cuda")
+
+    def fn():
+        probs = triton_kernels.tempered_softmax(x, t)
+        return probs, triton_kernels.inverse_cdf(probs, u)
+
+    fn()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        probs, token = fn()
+    x.copy_(torch.randn(4, 8192, device="cuda"))
+    u.copy_(torch.rand(4, device="cuda"))
+    graph.replay()
+    want_probs, want_token = fn()
+    assert torch.equal(probs, want_probs) and torch.equal(token, want_token)
+    assert token[1] == x[1].argmax()
