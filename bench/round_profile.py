@@ -2,6 +2,7 @@
 
     python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
+    python -m bench.round_profile --sampling-calls         # sampling kernels against torch ops, per call
     python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
@@ -187,6 +188,39 @@ def attention_calls() -> None:
             label = splits or "auto"
             row[f"triton_{label}_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, splits=splits)), 2)
             row[f"triton_{label}_max_error"] = round((triton_attention(q, k, v, mask, splits=splits).float() - ref).abs().max().item(), 4)
+        print(json.dumps(row), flush=True)
+
+
+@torch.no_grad()
+def sampling_calls() -> None:
+    """One sampling call in a CUDA graph of 20, us: `processed_probs` (no filters) and `sample_with` through
+    engine.triton_kernels' one-launch kernels and as torch ops, on a round's shapes (the draft's 8,192-token
+    sub-vocabulary, the verifier's 6 positions of 49,152, the residual over the whole vocabulary)."""
+    from engine.sampling import processed_probs, sample_with
+
+    def per_call_us(fn, reps: int = 20) -> float:
+        g = capture_graph(lambda: [fn() for _ in range(reps)])
+        return cuda_ms(g.replay, 50) / reps * 1e3
+
+    for what, shape, dtype in (("draft draw", (1, 8192), torch.bfloat16), ("draft draw", (8, 8192), torch.bfloat16),
+                               ("verifier probs", (1, 6, 49152), torch.float32),
+                               ("verifier probs", (8, 6, 49152), torch.float32),
+                               ("residual draw", (1, 49152), torch.float32), ("residual draw", (8, 49152), torch.float32)):
+        logits = 3 * torch.randn(shape, device="cuda").to(dtype)
+        temp = torch.ones(shape[0], device="cuda")
+        none, ones = torch.zeros(shape[0], dtype=torch.long, device="cuda"), torch.ones(shape[0], device="cuda")
+        u = torch.rand(shape[0], device="cuda")
+        probs = processed_probs(logits, temp, none, ones, filtered=False)
+        if what == "verifier probs":
+            fn = lambda: processed_probs(logits, temp, none, ones, filtered=False)  # noqa: E731
+        elif what == "draft draw":
+            fn = lambda: sample_with(processed_probs(logits, temp, none, ones, filtered=False), u)  # noqa: E731
+        else:
+            fn = lambda: sample_with(probs, u)  # noqa: E731
+        row = {"call": what, "shape": list(shape)}
+        for fast in (False, True):
+            triton_kernels.SAMPLING = fast
+            row["kernels_us" if fast else "torch_us"] = round(per_call_us(fn), 2)
         print(json.dumps(row), flush=True)
 
 
@@ -546,6 +580,8 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa", help="attention backend of the round pieces")
     parser.add_argument("--unfused", action="store_true", help="leave the target and draft unfused")
     parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
+    parser.add_argument("--sampling-calls", action="store_true",
+                        help="only the sampling calls (softmax, inverse-CDF draw), the Triton kernels against torch")
     parser.add_argument("--kernel-table", action="store_true",
                         help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
@@ -582,6 +618,8 @@ def main() -> None:
         layer_sweep(out=args.layer_sweep or None)
     elif args.attention_calls:
         attention_calls()
+    elif args.sampling_calls:
+        sampling_calls()
     elif args.kernel_table:
         kernel_table(args.attention)
     elif args.profiler_effect:

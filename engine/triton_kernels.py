@@ -144,13 +144,24 @@ def _kernels():
     @triton.jit
     def tempered_softmax_kernel(X, TEMP, OUT, sxr, sor, rows_per_temp, V: tl.constexpr, BLOCK: tl.constexpr):
         """Program row: softmax(x / t) of its row in fp32, t = TEMP[row // rows_per_temp]; t == 0: one-hot at the
-        first largest x (NaN counts as largest). Two passes: running max and sum, then the probabilities."""
+        first largest x (NaN counts as largest). A row longer than a block takes two passes: running max and
+        sum, then the probabilities."""
         r = tl.program_id(0)
         t = tl.load(TEMP + r // rows_per_temp)
         offs0 = tl.arange(0, BLOCK)
         x_row = X + r.to(tl.int64) * sxr
         o_row = OUT + r.to(tl.int64) * sor
-        if t == 0:
+        if V <= BLOCK:  # the whole row in registers: read once (a draft's sub-vocabulary)
+            x = tl.load(x_row + offs0, mask=offs0 < V, other=-float("inf")).to(tl.float32)
+            if t == 0:
+                x = tl.where(x != x, float("inf"), x)
+                at = tl.argmax(x, 0, tie_break_left=True)
+                tl.store(o_row + offs0, tl.where(offs0 == at, 1.0, 0.0), mask=offs0 < V)
+            else:
+                x = x / t
+                e = tl.exp(x - tl.max(x, 0))
+                tl.store(o_row + offs0, e / tl.sum(e, 0), mask=offs0 < V)
+        elif t == 0:
             best = -float("inf")
             at = 0
             for start in range(0, V, BLOCK):
@@ -180,28 +191,35 @@ def _kernels():
     @triton.jit
     def inverse_cdf_kernel(P, U, OUT, spr, su, V: tl.constexpr, BLOCK: tl.constexpr):
         """Program row: the number of fp64 CDF entries at or below u * total (a sorted search), capped at the
-        last token of positive probability. The CDF is summed block by block in the same order by both passes,
-        so the total is exactly its last entry."""
+        last token of positive probability. A row longer than a block takes two passes, both summing the CDF
+        block by block in the same order, so the total is exactly its last entry."""
         r = tl.program_id(0)
         offs0 = tl.arange(0, BLOCK)
         p_row = P + r.to(tl.int64) * spr
-        total = tl.zeros((), tl.float64)
-        last = 0
-        for start in range(0, V, BLOCK):
-            offs = start + offs0
-            p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
-            c = tl.cumsum(p, 0) + total
-            total = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
-            last = tl.maximum(last, tl.max(tl.where(p > 0, offs, 0), 0))
-        point = tl.load(U + r * su).to(tl.float64) * total
-        below = 0
-        carry = tl.zeros((), tl.float64)
-        for start in range(0, V, BLOCK):
-            offs = start + offs0
-            p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
-            c = tl.cumsum(p, 0) + carry
-            carry = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
-            below += tl.sum(tl.where((c <= point) & (offs < V), 1, 0), 0)
+        if V <= BLOCK:  # the whole row at once (a draft's sub-vocabulary): one read, one sum
+            p = tl.load(p_row + offs0, mask=offs0 < V, other=0.0).to(tl.float64)
+            c = tl.cumsum(p, 0)
+            point = tl.load(U + r * su).to(tl.float64) * tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
+            below = tl.sum(tl.where((c <= point) & (offs0 < V), 1, 0), 0)
+            last = tl.max(tl.where(p > 0, offs0, 0), 0)
+        else:
+            total = tl.zeros((), tl.float64)
+            last = 0
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
+                c = tl.cumsum(p, 0) + total
+                total = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
+                last = tl.maximum(last, tl.max(tl.where(p > 0, offs, 0), 0))
+            point = tl.load(U + r * su).to(tl.float64) * total
+            below = 0
+            carry = tl.zeros((), tl.float64)
+            for start in range(0, V, BLOCK):
+                offs = start + offs0
+                p = tl.load(p_row + offs, mask=offs < V, other=0.0).to(tl.float64)
+                c = tl.cumsum(p, 0) + carry
+                carry = tl.sum(tl.where(offs0 == BLOCK - 1, c, 0.0), 0)
+                below += tl.sum(tl.where((c <= point) & (offs < V), 1, 0), 0)
         tl.store(OUT + r, tl.minimum(below, last).to(tl.int64))
 
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
