@@ -340,10 +340,13 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out.view(x.shape[:-1])
 
 
+SAMPLING_MAX_BLOCK = 8192  # vocabulary entries a sampling kernel's program holds at once
+
+
 def _sampling_launch(v: int) -> dict:
     """A sampling kernel's vocabulary block (at most 8,192 entries a pass: a draft's sub-vocabulary at once, the
     target's 49,152 in 6) and warps (16 entries a thread): one program a row streams its row in few steps."""
-    block = min(8192, max(16, 1 << (v - 1).bit_length()))
+    block = min(SAMPLING_MAX_BLOCK, max(16, 1 << (v - 1).bit_length()))
     return {"V": v, "BLOCK": block, "num_warps": max(1, min(16, block // 512))}
 
 
@@ -371,7 +374,10 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     In torch a cast, a float64 cumulative sum, a search and the guards around it: about ten kernels. The same
     token but where u * total lands within float64 rounding of a CDF entry. None for calls it does not serve."""
     if (not ENABLED or not SAMPLING or not available() or not served(probs, u) or probs.dim() != 2 or probs.dtype != torch.float32
-            or probs.shape[1] == 0 or probs.stride(-1) != 1 or u.shape != (probs.shape[0],) or u.dtype != torch.float32):
+            or probs.shape[1] == 0 or probs.stride(-1) != 1 or u.shape != (probs.shape[0],) or u.dtype != torch.float32
+            or (probs.shape[0] == 1 and probs.shape[1] > SAMPLING_MAX_BLOCK)):
+        # One row longer than a block (the residual at batch 1): torch's search, which spreads the row over
+        # the GPU, is faster there than this kernel's one program (17 against 28 us for 49,152 tokens, run 27)
         return None
     out = torch.empty(probs.shape[0], device=probs.device, dtype=torch.int64)
     if probs.shape[0]:
