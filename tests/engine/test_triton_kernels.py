@@ -192,6 +192,9 @@ for v in (7, 1500, 8192, 9000):
         fast = tk.inverse_cdf(p, u[i])
         assert torch.equal(fast, torch_path(sample_with, p, u[i])), (v, i)
         assert (p.gather(1, fast[:, None]) > 0).all()
+    one = p[:1] if v > tk.SAMPLING_MAX_BLOCK else None  # one row over the whole vocabulary: torch's search
+    assert one is None or (tk.inverse_cdf(one, u[0, :1]) is None and torch.equal(sample_with(one, u[0, :1]),
+                                                                                 torch_path(sample_with, one, u[0, :1])))
     draws = torch.rand(4, 3)  # a column of the round's draws: strided
     assert torch.equal(tk.inverse_cdf(p, draws[:, 1]), torch_path(sample_with, p, draws[:, 1].contiguous()))
 print("ok")
