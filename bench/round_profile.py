@@ -493,10 +493,10 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         if ", tree " in label and chain is not None:
             print(f"{label}, round less the chain's (same gamma):", flush=True)
             print_kernel_diff(by, chain, top, "    ")
-        fast = costliest.get(label.replace(", torch sampling", ""))
-        if label.endswith(", torch sampling") and fast is not None:
+        with_kernels = costliest.get(label.replace(", torch sampling", ""))
+        if label.endswith(", torch sampling") and with_kernels is not None:
             print(f"{label}, round less the same round with the sampling kernels:", flush=True)
-            print_kernel_diff(by, fast, top, "    ")
+            print_kernel_diff(by, with_kernels, top, "    ")
     triton_kernels.SAMPLING = default_sampling
 
 

@@ -9,9 +9,9 @@ scatter for K and one for V) and 7-12 us a layer, about a sixth of a decode step
 same copy in one launch. It is an exact copy: nothing downstream changes by a bit. `argmax` returns
 exactly torch.argmax's index (the first of equal maxima) in about a fifth of its time on one row.
 
-A sampled round draws gamma tokens from the draft and one from the verifier's residual; in torch each draw
-is a softmax with its temperature and one-hot guards, then a float64 cumulative sum and a sorted search,
-about twenty kernels over the vocabulary. `tempered_softmax` and `inverse_cdf` do each half in one launch.
+A sampled round draws gamma tokens from the draft and one from the verifier (the residual after a rejection,
+else the bonus); in torch each draw is a softmax with its temperature and one-hot guards, then a float64
+cumulative sum and a sorted search, about twenty kernels over the vocabulary. `tempered_softmax` and `inverse_cdf` do each half in one launch.
 They give the same distribution, not always the same bits: a probability can differ from torch's in its
 last bits (another summation order), so a draw lying within rounding of a CDF entry can pick its neighbour.
 Both the captured round and the general loop use them, so the two still give the same tokens on a GPU.
@@ -313,7 +313,7 @@ def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.
     out = torch.empty(rows, per_row, device=state.device, dtype=torch.float32)
     if rows:
         _kernels().uniform[(rows,)](state, out, offset, per_row, *state.stride(),
-                               BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1)
+                                    BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1)
     return out
 
 
