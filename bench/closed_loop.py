@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seconds", type=float, default=30.0, help="measured seconds per mode")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="off,governor", help="comma list of off, governor, always, adaptive, governor+adaptive")
-    parser.add_argument("--draft-confidence", type=float, default=0.4, help="SpecConfig.draft_confidence")
+    parser.add_argument("--draft-confidence", type=float, default=0.3, help="SpecConfig.draft_confidence (the CPU service's)")
     parser.add_argument("--store", default=None,
                         help="draft store (default $FLASHSPEC_HOME/store); each domain's active draft, else the shipped one")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the service's Generator uses 1 here)")
