@@ -71,6 +71,11 @@ def _replica_failed(exc: BaseException) -> APIError:
                          "the request was not completed: retry it", "replica_failed")
 
 
+def _ended_early() -> APIError:
+    """A Generator stream that ended without its last item (its replica went away between items)."""
+    return APIError(503, "the generation ended before it finished; retry it", "replica_failed")
+
+
 def _item_error(item: dict) -> APIError:
     """A Generator stream's error item as the API error it answers."""
     return APIError(item["status"], item["message"], item.get("code"), item.get("param"))
@@ -244,7 +249,7 @@ class Ingress:
         except Exception as exc:
             raise _replica_failed(exc) from None
         if final is None:
-            raise APIError(503, "the generation ended before it finished; retry it", "replica_failed")
+            raise _ended_early()
         self._record(ctx, final, ttft)
         return "".join(parts), final
 
@@ -320,12 +325,10 @@ class Ingress:
                 elif item["text"]:
                     yield _sse(self._chunk(ctx, item["text"], None, index=i))
             if any(f is None for f in finals):  # a stream ended without its last item
-                yield _sse(APIError(503, "the generation ended before it finished; retry it", "replica_failed").body())
+                yield _sse(_ended_early().body())
                 return
             if n > 1:
-                obj = "chat.completion.chunk" if ctx["kind"] == "chat" else "text_completion"
-                yield _sse({"id": ctx["id"], "object": obj, "created": ctx["created"], "model": self.model_name,
-                            "choices": [], **self._totals(ctx, finals)})
+                yield _sse({**self._chunk(ctx, None, None), "choices": [], **self._totals(ctx, finals)})
             yield _sse("[DONE]")
         finally:
             for task in tasks:
