@@ -793,7 +793,8 @@ def main_table(bench: Bench, args) -> list[str]:
              f"prompts {args.prompts} (long cells max(bs, {args.long_prompts}) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else "")
              + (f" ({args.short_passes} in the short cells)" if args.short_passes else "")
              + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}"
-             + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}",
+             + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}"
+             + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

@@ -3,6 +3,7 @@
     python -m bench.round_profile [--domain code] [--attention sdpa|triton] [--unfused] [--no-small-kernels]
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
     python -m bench.round_profile --sampling-calls         # sampling kernels against torch ops, per call
+    python -m bench.round_profile --vocab-calls            # the vocabulary projection kernel's settings, per call
     python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
@@ -221,6 +222,36 @@ def sampling_calls() -> None:
         for fast in (False, True):
             triton_kernels.SAMPLING = fast
             row["kernels_us" if fast else "torch_us"] = round(per_call_us(fn), 2)
+        print(json.dumps(row), flush=True)
+
+
+@torch.no_grad()
+def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
+    """The target's vocabulary projection (49,152 x 576, fp32 rows) in a CUDA graph of 20 calls, us a call: F.linear
+    over the fp32 copy of the weight (what the model ran before) against `triton_kernels.vocab_projection` over the
+    bf16 weight in each launch setting swept, with its largest difference from F.linear."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    def per_call_us(fn, reps: int = 20) -> float:
+        g = capture_graph(lambda: [fn() for _ in range(reps)])
+        return cuda_ms(g.replay, 50) / reps * 1e3
+
+    w = (0.05 * torch.randn(49152, 576, device="cuda")).to(torch.bfloat16)
+    w32 = w.float()
+    for n in rows:
+        x = 3 * torch.randn(n, 576, device="cuda")
+        ref = F.linear(x, w32)
+        row = {"rows": n, "fp32_linear_us": round(per_call_us(lambda: F.linear(x, w32)), 2)}
+        for split, v, warps in itertools.product((0, 3), (32, 64, 128), (4, 8)):
+            cfg = {"split": split, "v": v, "w": warps}
+            try:
+                err = (triton_kernels.vocab_projection(x, w, cfg) - ref).abs().max().item()
+                row[f"split={split},v={v},w={warps}"] = [round(per_call_us(lambda: triton_kernels.vocab_projection(x, w, cfg)), 2),
+                                                        float(f"{err:.2g}")]
+            except Exception as exc:  # a setting that does not compile (shared memory, registers): skipped, said
+                row[f"split={split},v={v},w={warps}"] = type(exc).__name__
         print(json.dumps(row), flush=True)
 
 
@@ -582,6 +613,8 @@ def main() -> None:
     parser.add_argument("--attention-calls", action="store_true", help="only the attention-call comparison")
     parser.add_argument("--sampling-calls", action="store_true",
                         help="only the sampling calls (softmax, inverse-CDF draw), the Triton kernels against torch")
+    parser.add_argument("--vocab-calls", action="store_true",
+                        help="only the vocabulary projection, the Triton kernel's launch settings against F.linear in fp32")
     parser.add_argument("--kernel-table", action="store_true",
                         help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
@@ -604,6 +637,8 @@ def main() -> None:
                         help="without engine.triton_kernels' tempered softmax and inverse-CDF draw (torch ops instead)")
     parser.add_argument("--sampling-compare", action="store_true",
                         help="--engine-graphs: each sampled case also without the sampling kernels, and the kernel diff")
+    parser.add_argument("--no-vocab-kernel", action="store_true",
+                        help="without engine.triton_kernels' vocabulary projection (F.linear over an fp32 copy instead)")
     parser.add_argument("--no-layer-kernels", action="store_true",
                         help="without engine.triton_layer (separate norm, projection, RoPE and SiLU kernels)")
     parser.add_argument("--layer-sweep", default=None, metavar="OUT", nargs="?", const="",
@@ -612,6 +647,7 @@ def main() -> None:
     triton_kernels.ENABLED = not args.no_small_kernels
     triton_layer.ENABLED = not args.no_layer_kernels
     triton_kernels.SAMPLING = not args.no_sampling_kernels
+    triton_kernels.VOCAB = not args.no_vocab_kernel
     if not torch.cuda.is_available():
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.layer_sweep is not None:
@@ -620,6 +656,8 @@ def main() -> None:
         attention_calls()
     elif args.sampling_calls:
         sampling_calls()
+    elif args.vocab_calls:
+        vocab_calls()
     elif args.kernel_table:
         kernel_table(args.attention)
     elif args.profiler_effect:

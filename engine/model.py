@@ -404,8 +404,15 @@ class Transformer(nn.Module):
         # and would make speculative and plain decoding disagree more than their hidden states do.
         x = final.float()
         x = self.norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.eps))
-        logits = F.linear(x, self._lm_head_fp32()) if compute_logits else None
+        logits = self._project_vocab(x) if compute_logits else None
         return ForwardOutput(hidden, x.to(final.dtype), logits, captured)
+
+    def _project_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of fp32 rows x (..., H) for a low-precision model: on the GPU one Triton launch reads the
+        16-bit lm_head weight as it is, with fp32 products and sums (`triton_kernels.vocab_projection`: half the
+        bytes); otherwise, or for calls of many rows, F.linear over an fp32 copy of the weight."""
+        logits = triton_kernels.vocab_projection(x, self.lm_head.weight)
+        return logits if logits is not None else F.linear(x, self._lm_head_fp32())
 
     # ----- the fused inference path (engine/fused.py) ---------------------------------------------
     def fuse_for_inference(self, compile: bool | None = None, **kwargs) -> "Transformer":
@@ -467,7 +474,8 @@ class Transformer(nn.Module):
         return x.view(bsz, seqlen, size)
 
     def _lm_head_fp32(self) -> torch.Tensor:
-        """An fp32 copy of the (frozen) lm_head weight, made once."""
+        """An fp32 copy of the (frozen) lm_head weight, made once (only a call `_project_vocab`'s kernel does not
+        serve needs it)."""
         w = self.lm_head.weight
         cached = getattr(self, "_lm_head_f32", None)
         if cached is None or cached.device != w.device or cached.shape != w.shape:

@@ -222,9 +222,41 @@ def _kernels():
                 below += tl.sum(tl.where((c <= point) & (offs < V), 1, 0), 0)
         tl.store(OUT + r, tl.minimum(below, last).to(tl.int64))
 
+    @triton.jit
+    def vocab_projection_kernel(X, W, OUT, N, V, sxr, swr, sor, H: tl.constexpr, BLOCK_V: tl.constexpr,
+                                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
+        """Program (vocabulary block, tile of 16 rows): OUT = X @ W.T over its block, X fp32, W 16-bit and read as
+        it is, products and sums in fp32. SPLIT = 0 widens W and multiplies in fp32 (no tf32); SPLIT = 3 cuts
+        each x into three 16-bit parts (24 mantissa bits between them, an fp32's) and sums three tensor-core
+        products, each accumulated in fp32. Each output is its row's and column's alone: a row gets the same
+        bits whichever other rows share its call."""
+        pv = tl.program_id(0)
+        pm = tl.program_id(1)
+        v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
+        m = pm * 16 + tl.arange(0, 16)
+        acc = tl.zeros((16, BLOCK_V), tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_H):
+            k = k0 + tl.arange(0, BLOCK_H)
+            x = tl.load(X + m[:, None] * sxr + k[None, :], mask=(m[:, None] < N) & (k[None, :] < H), other=0.0)
+            w = tl.load(W + v[:, None].to(tl.int64) * swr + k[None, :], mask=(v[:, None] < V) & (k[None, :] < H),
+                        other=0.0)
+            wt = tl.trans(w)
+            if SPLIT:
+                hi = x.to(W.dtype.element_ty)
+                rest = x - hi.to(tl.float32)
+                mid = rest.to(W.dtype.element_ty)
+                lo = (rest - mid.to(tl.float32)).to(W.dtype.element_ty)
+                acc = tl.dot(lo, wt, acc)
+                acc = tl.dot(mid, wt, acc)
+                acc = tl.dot(hi, wt, acc)
+            else:
+                acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
+        tl.store(OUT + m[:, None].to(tl.int64) * sor + v[None, :], acc, mask=(m[:, None] < N) & (v[None, :] < V))
+
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
-                                 tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel)
+                                 tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
+                                 vocab_projection=vocab_projection_kernel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -384,3 +416,44 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
         _kernels().inverse_cdf[(probs.shape[0],)](probs, u, out, probs.stride(0), u.stride(0),
                                                   **_sampling_launch(probs.shape[1]))
     return out
+
+
+# False (or FLASHSPEC_VOCAB_KERNEL=0 in the environment): `vocab_projection` declines and the model projects over an
+# fp32 copy of its lm_head with F.linear, for A/B runs (bench.round_profile --vocab-calls, --no-vocab-kernel)
+VOCAB = os.environ.get("FLASHSPEC_VOCAB_KERNEL", "1") != "0"
+VOCAB_MAX_ROWS = 64  # rows a call may have: decode, draft and verify steps and a prefill's last positions
+# Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 0 (fp32 products) or 3
+# (three 16-bit tensor-core products, bf16 weights only). FLASHSPEC_VOCAB_CONFIG="v=128,split=3" overrides some.
+VOCAB_CONFIG = {"v": 64, "h": 64, "w": 4, "split": 0}
+for _item in filter(None, os.environ.get("FLASHSPEC_VOCAB_CONFIG", "").replace(" ", "").split(",")):
+    _key, _, _value = _item.partition("=")
+    if _key not in VOCAB_CONFIG or not _value.isdigit():
+        raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: {_item!r} is not one of {sorted(VOCAB_CONFIG)}=<integer>")
+    VOCAB_CONFIG[_key] = int(_value)
+
+
+def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:
+    """fp32 logits x @ weight.T of fp32 rows x (..., H) and a 16-bit vocabulary weight (V, H), read as it is:
+    half the bytes of the fp32 copy F.linear needs (on the H200, 113 MB a step for the default model's 49,152 x
+    576). Products and sums in fp32; a logit differs from F.linear's over the fp32 copy only by the order of
+    its sum (a few units in fp32's last place). A row's logits do not depend on the other rows of its call: a
+    decode step's row and the same row in a verify pass get the same bits, which cuBLAS's shape-dependent
+    kernels do not promise. None for calls it does not serve (more than VOCAB_MAX_ROWS rows, other dtypes):
+    the caller projects as before. `config` overrides VOCAB_CONFIG's entries (a sweep)."""
+    h = x.shape[-1] if x.dim() else 0
+    cfg = {**VOCAB_CONFIG, **(config or {})}
+    if (not ENABLED or not VOCAB or not available() or not served(x, weight) or x.dtype != torch.float32
+            or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.shape[1] != h
+            or weight.stride(1) != 1 or h == 0 or x.numel() == 0 or x.numel() // h > VOCAB_MAX_ROWS
+            or (cfg["split"] and weight.dtype != torch.bfloat16)):  # fp16 parts of an fp32 would underflow
+        return None
+    rows = x.reshape(-1, h)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n, vocab = rows.shape[0], weight.shape[0]
+    out = torch.empty(n, vocab, device=x.device, dtype=torch.float32)
+    block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
+    _kernels().vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
+        rows, weight, out, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
+        H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"])
+    return out.view(*x.shape[:-1], vocab)

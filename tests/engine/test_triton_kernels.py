@@ -203,3 +203,44 @@ print("ok")
 
 def test_sampling_kernels_match_the_torch_path_in_the_interpreter(triton_interpreter):
     triton_interpreter(SAMPLING)
+
+
+VOCAB = """
+import torch
+import torch.nn.functional as F
+import engine.triton_kernels as tk
+from engine.config import ModelArgs
+from engine.model import Transformer
+
+torch.manual_seed(0)
+w = (torch.randn(1000, 96) * 0.05).to(torch.bfloat16)  # a vocabulary block and a half past a multiple of 64
+x = torch.randn(20, 96)
+ref = F.linear(x, w.float())
+out = tk.vocab_projection(x, w, {"split": 0})
+assert out is not None and out.dtype == torch.float32 and out.shape == (20, 1000)
+torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+for n in (1, 6, 17):  # a row gets the same bits whichever rows share its call (and its 16-row tile)
+    assert torch.equal(tk.vocab_projection(x[n - 1 : n], w), out[n - 1 : n]), n
+assert tk.vocab_projection(x.view(4, 5, 96), w).shape == (4, 5, 1000)
+assert tk.vocab_projection(x[:, ::2].contiguous(), w[:, ::2]) is None  # a strided weight: declined
+assert tk.vocab_projection(torch.randn(tk.VOCAB_MAX_ROWS + 1, 96), w) is None  # too many rows: F.linear's
+assert tk.vocab_projection(x.double(), w) is None and tk.vocab_projection(x, w.float()) is None
+assert tk.vocab_projection(x, w.half(), {"split": 3}) is None  # fp16 parts of an fp32 underflow: not served
+# the model: a bf16 model's logits come from the kernel, close to F.linear over the fp32 copy, which is never made
+args = ModelArgs(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+model = Transformer(args).to(torch.bfloat16).eval()
+tokens = torch.randint(0, 300, (2, 5))
+with torch.no_grad():
+    fast = model(tokens, torch.arange(5)[None].expand(2, 5)).logits
+    assert getattr(model, "_lm_head_f32", None) is None
+    tk.VOCAB = False
+    slow = model(tokens, torch.arange(5)[None].expand(2, 5)).logits
+assert fast.dtype == slow.dtype == torch.float32
+torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+def test_vocab_projection_matches_fp32_linear_in_the_interpreter(triton_interpreter):
+    triton_interpreter(VOCAB)

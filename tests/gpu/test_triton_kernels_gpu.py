@@ -148,3 +148,41 @@ def test_sampling_kernels_inside_a_cuda_graph():
     want_probs, want_token = fn()
     assert torch.equal(probs, want_probs) and torch.equal(token, want_token)
     assert token[1] == x[1].argmax()
+
+
+@pytest.mark.parametrize("split", [0, 3])
+@pytest.mark.parametrize("n", [1, 6, 8, 48])
+def test_vocab_projection_equals_fp32_linear(split, n):
+    import torch.nn.functional as F
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (0.05 * torch.randn(49152, 576, device="cuda", generator=g)).to(torch.bfloat16)
+    x = 3 * torch.randn(n, 576, device="cuda", generator=g)
+    out = triton_kernels.vocab_projection(x, w, {"split": split})
+    ref = F.linear(x, w.float())
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-5)
+    alone = torch.cat([triton_kernels.vocab_projection(x[i : i + 1], w, {"split": split}) for i in range(n)])
+    assert torch.equal(alone, out)  # a row's logits do not depend on the rows sharing its call
+
+
+def test_vocab_projection_inside_a_cuda_graph_and_in_the_model():
+    from engine.config import ModelArgs
+    from engine.model import Transformer
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=5000, hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
+    with torch.device("cuda"):
+        model = Transformer(args, max_seq_len=64).to(torch.bfloat16).eval()
+    x = torch.randn(6, 64, device="cuda")
+    out = model._project_vocab(x)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model._project_vocab(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.testing.assert_close(out, x @ model.lm_head.weight.float().T, rtol=1e-5, atol=2e-5)
+    tokens = torch.randint(0, 5000, (1, 7), device="cuda")
+    with torch.no_grad():
+        model(tokens, torch.arange(7, device="cuda")[None])
+    assert getattr(model, "_lm_head_f32", None) is None  # the fp32 copy of the weight is never made
