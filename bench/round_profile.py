@@ -646,8 +646,10 @@ def main() -> None:
     args = parser.parse_args()
     triton_kernels.ENABLED = not args.no_small_kernels
     triton_layer.ENABLED = not args.no_layer_kernels
-    triton_kernels.SAMPLING = not args.no_sampling_kernels
-    triton_kernels.VOCAB = not args.no_vocab_kernel
+    if args.no_sampling_kernels:  # otherwise as the environment says (FLASHSPEC_SAMPLING_KERNELS, FLASHSPEC_VOCAB_KERNEL)
+        triton_kernels.SAMPLING = False
+    if args.no_vocab_kernel:
+        triton_kernels.VOCAB = False
     if not torch.cuda.is_available():
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.layer_sweep is not None:

@@ -464,6 +464,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     if mixed:  # each row's draft (padding rows get draft 0 and the scratch row: nothing of theirs is read)
         inputs["which"] = torch.tensor([ids[id(d)] for d in drafts], device=device)
     filtered = False
+    n_draws = 2 * gamma + 1  # `round_draws` of a one-block round at this gamma (cfg's own gamma may differ)
     if not greedy:
         params = [s.request.params for s in slots]
         filtered = needs_filters(params)
@@ -493,7 +494,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
         tokens, trunks, drafted, draft_probs, draft_index = pending, [], [], [], []
         # The round's 2 * gamma + 1 draws at once (draft j takes draw j, the verifier the rest): one hash of
         # the counters instead of one per draft step and two for the verifier, about 50 small kernels each.
-        draws = None if greedy else uniform_at(state, 0, (pending.shape[0], 2 * gamma + 1))
+        draws = None if greedy else uniform_at(state, 0, (pending.shape[0], n_draws))
         proxies: list = [None] * len(order)
         ar = torch.arange(pending.shape[0], device=pending.device)
         for j in range(gamma + 1):
@@ -559,5 +560,5 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     key = ("greedy-round" if greedy else ("sampled-round", filtered), len(order), kv_len, gamma, capture)
     (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(ids))
     if not greedy:
-        advance([s.random for s in slots], 2 * gamma + 1)
+        advance([s.random for s in slots], n_draws)
     return packed, pos0

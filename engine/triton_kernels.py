@@ -1,6 +1,6 @@
 """Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
-(alone, or with the fused path's rotary embedding), the argmax over the vocabulary, and the sampled
-steps' uniform draws, tempered softmax and inverse-CDF draw.
+(alone, or with the fused path's rotary embedding), the argmax over the vocabulary, the sampled
+steps' uniform draws, tempered softmax and inverse-CDF draw, and the vocabulary projection.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
 (on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
@@ -15,6 +15,10 @@ cumulative sum and a sorted search, about twenty kernels over the vocabulary. `t
 They give the same distribution, not always the same bits: a probability can differ from torch's in its
 last bits (another summation order), so a draw lying within rounding of a CDF entry can pick its neighbour.
 Both the captured round and the general loop use them, so the two still give the same tokens on a GPU.
+
+The target's vocabulary projection (`vocab_projection`) reads the 16-bit lm_head weight itself, with fp32
+sums, instead of an fp32 copy of it through cuBLAS: half the bytes, and one tile per 16 rows, so a row's
+logits are the same in a decode step and in a verify pass.
 
 Every function returns False / None for a call it does not serve (CPU tensors outside Triton's
 interpreter, dtypes or shapes it is not written for); the caller then does the work as before.
@@ -226,10 +230,10 @@ def _kernels():
     def vocab_projection_kernel(X, W, OUT, N, V, sxr, swr, sor, H: tl.constexpr, BLOCK_V: tl.constexpr,
                                 BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
         """Program (vocabulary block, tile of 16 rows): OUT = X @ W.T over its block, X fp32, W 16-bit and read as
-        it is, products and sums in fp32. SPLIT = 0 widens W and multiplies in fp32 (no tf32); SPLIT = 3 cuts
-        each x into three 16-bit parts (24 mantissa bits between them, an fp32's) and sums three tensor-core
-        products, each accumulated in fp32. Each output is its row's and column's alone: a row gets the same
-        bits whichever other rows share its call."""
+        it is, sums in fp32. SPLIT = 3 cuts each x into three 16-bit parts (hi + mid + lo: 24 mantissa bits
+        between them, an fp32's) and adds three tensor-core products into one fp32 accumulator, smallest
+        first; SPLIT = 0 widens W and multiplies in fp32 (no tf32). Each output is its row's and column's
+        alone: a row gets the same bits whichever other rows share its call."""
         pv = tl.program_id(0)
         pm = tl.program_id(1)
         v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -422,9 +426,11 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
 # fp32 copy of its lm_head with F.linear, for A/B runs (bench.round_profile --vocab-calls, --no-vocab-kernel)
 VOCAB = os.environ.get("FLASHSPEC_VOCAB_KERNEL", "1") != "0"
 VOCAB_MAX_ROWS = 64  # rows a call may have: decode, draft and verify steps and a prefill's last positions
-# Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 0 (fp32 products) or 3
-# (three 16-bit tensor-core products, bf16 weights only). FLASHSPEC_VOCAB_CONFIG="v=128,split=3" overrides some.
-VOCAB_CONFIG = {"v": 64, "h": 64, "w": 4, "split": 0}
+# Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 3 (three bf16
+# tensor-core products) or 0 (fp32 products on the CUDA cores: 4-6x slower than cuBLAS on the H200, kept as the
+# path Triton's CPU interpreter can run, whose bf16 dot is wrong). The default is the H200 sweep's best
+# (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
+VOCAB_CONFIG = {"v": 128, "h": 64, "w": 4, "split": 3}
 for _item in filter(None, os.environ.get("FLASHSPEC_VOCAB_CONFIG", "").replace(" ", "").split(",")):
     _key, _, _value = _item.partition("=")
     if _key not in VOCAB_CONFIG or not _value.isdigit():
@@ -434,12 +440,15 @@ for _item in filter(None, os.environ.get("FLASHSPEC_VOCAB_CONFIG", "").replace("
 
 def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:
     """fp32 logits x @ weight.T of fp32 rows x (..., H) and a 16-bit vocabulary weight (V, H), read as it is:
-    half the bytes of the fp32 copy F.linear needs (on the H200, 113 MB a step for the default model's 49,152 x
-    576). Products and sums in fp32; a logit differs from F.linear's over the fp32 copy only by the order of
-    its sum (a few units in fp32's last place). A row's logits do not depend on the other rows of its call: a
-    decode step's row and the same row in a verify pass get the same bits, which cuBLAS's shape-dependent
-    kernels do not promise. None for calls it does not serve (more than VOCAB_MAX_ROWS rows, other dtypes):
-    the caller projects as before. `config` overrides VOCAB_CONFIG's entries (a sweep)."""
+    half the bytes of the fp32 copy F.linear needs (113 MB for the default model's 49,152 x 576). Each x is cut
+    into three bf16 parts whose sum is x to fp32's 24 bits; each part's product with the weight runs on the
+    tensor cores, accumulated in fp32. A logit agrees with F.linear's over the fp32 copy to fp32 rounding of
+    its sum (at most 2e-5 apart at logits of a few units, H200 tests). A row's logits do not depend on the
+    other rows of its call: a decode step's row and the same row in a verify pass get the same bits, which
+    cuBLAS's shape-dependent kernels do not promise. On the H200 (run 28) 22 against 33 us a decode step's
+    projection, 23 against 56 us a 6-token verify pass's, 64 against 98 us at 48 rows. None for calls it does
+    not serve (more than VOCAB_MAX_ROWS rows, other dtypes, fp16 weights): the caller projects as before.
+    `config` overrides VOCAB_CONFIG's entries (a sweep)."""
     h = x.shape[-1] if x.dim() else 0
     cfg = {**VOCAB_CONFIG, **(config or {})}
     if (not ENABLED or not VOCAB or not available() or not served(x, weight) or x.dtype != torch.float32
