@@ -431,11 +431,28 @@ VOCAB_MAX_ROWS = 64  # rows a call may have: decode, draft and verify steps and 
 # path Triton's CPU interpreter can run, whose bf16 dot is wrong). The default is the H200 sweep's best
 # (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
 VOCAB_CONFIG = {"v": 128, "h": 64, "w": 4, "split": 3}
-for _item in filter(None, os.environ.get("FLASHSPEC_VOCAB_CONFIG", "").replace(" ", "").split(",")):
-    _key, _, _value = _item.partition("=")
-    if _key not in VOCAB_CONFIG or not _value.isdigit():
-        raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: {_item!r} is not one of {sorted(VOCAB_CONFIG)}=<integer>")
-    VOCAB_CONFIG[_key] = int(_value)
+
+
+def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_two: dict[str, int]) -> dict[str, int]:
+    """Kernel launch settings: `defaults` with the overrides in `text` ("k=256, c=16": the value of the environment
+    variable `variable`, which errors name). The keys of `powers_of_two` must be powers of two of at least their
+    value there (tile sizes, warps). A ValueError names what is wrong."""
+    config = dict(defaults)
+    for item in filter(None, text.replace(" ", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in config or not value.isdigit():
+            raise ValueError(f"{variable}: {item!r} is not one of {', '.join(k + '=' for k in config)} with a number")
+        config[key] = int(value)
+    for key, low in powers_of_two.items():
+        if config[key] < low or config[key] & (config[key] - 1):
+            raise ValueError(f"{variable}: {key}={config[key]} must be a power of two >= {low}")
+    return config
+
+
+VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""), VOCAB_CONFIG,
+                             {"v": 16, "h": 16, "w": 1})
+if VOCAB_CONFIG["split"] not in (0, 3):
+    raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: split={VOCAB_CONFIG['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
 
 
 def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:

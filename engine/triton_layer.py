@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from engine.triton_kernels import _row_args, available, served
+from engine.triton_kernels import _row_args, available, launch_config, served
 
 ENABLED = os.environ.get("FLASHSPEC_LAYER_KERNELS", "1") != "0"
 # Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile; on the
@@ -55,16 +55,8 @@ def _config(text: str) -> dict[str, int]:
     once), c = columns per half-head of a norm_qkv_rope_write program, g = intermediate columns per
     norm_gate_up_silu program, w = warps, s = software pipeline stages. FLASHSPEC_LAYER_CONFIG="k=256,c=16"
     overrides some (a tuning run: bench.round_profile --layer-sweep)."""
-    config = {"k": 128, "c": 32, "g": 32, "w": 8, "s": 3}  # the H200 sweep's best (run 24)
-    for item in filter(None, text.replace(" ", "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in config or not value.isdigit():
-            raise ValueError(f"FLASHSPEC_LAYER_CONFIG: {item!r} is not one of k=, c=, g=, w=, s= with a number")
-        config[key] = int(value)
-    for key in "kcgw":  # tile sizes and warps: powers of two; tl.dot's tiles at least 16 wide
-        low = 1 if key == "w" else 16
-        if config[key] < low or config[key] & (config[key] - 1):
-            raise ValueError(f"FLASHSPEC_LAYER_CONFIG: {key}={config[key]} must be a power of two >= {low}")
+    config = launch_config("FLASHSPEC_LAYER_CONFIG", text, {"k": 128, "c": 32, "g": 32, "w": 8, "s": 3},  # the H200
+                           {"k": 16, "c": 16, "g": 16, "w": 1})  # sweep's best (run 24); tl.dot's tiles at least 16 wide
     if config["s"] < 1:
         raise ValueError("FLASHSPEC_LAYER_CONFIG: s (pipeline stages) must be >= 1")
     return config

@@ -1,6 +1,8 @@
 """The engine's small Triton kernels (engine/triton_kernels.py) under Triton's CPU interpreter, where
 triton is installed; the GPU runs are in tests/gpu/test_triton_kernels_gpu.py."""
 
+import os
+
 import torch
 
 from engine.cache import KVCache
@@ -15,6 +17,8 @@ def test_kv_write_declines_cpu_tensors_outside_the_interpreter(monkeypatch):
 
 
 KV_WRITE = """
+import os
+
 import torch
 from engine.triton_kernels import kv_write
 torch.manual_seed(0)
@@ -46,6 +50,8 @@ def test_kv_write_matches_indexing_in_the_interpreter(triton_interpreter):
 
 
 ARGMAX = """
+import os
+
 import torch
 from engine.triton_kernels import argmax
 torch.manual_seed(0)
@@ -133,6 +139,8 @@ def test_rope_kv_write_matches_rope_then_write_in_the_interpreter(triton_interpr
 
 
 UNIFORM = """
+import os
+
 import torch
 import engine.triton_kernels as tk, engine.triton_layer as tl_layer
 tl_layer.ENABLED = False  # this checks rope_kv_write, which the layer kernels would replace
@@ -156,6 +164,8 @@ def test_uniform_draws_are_the_torch_hashs_bit_for_bit_in_the_interpreter(triton
 
 
 SAMPLING = """
+import os
+
 import torch
 import engine.triton_kernels as tk
 from engine.sampling import processed_probs, sample_with
@@ -206,6 +216,8 @@ def test_sampling_kernels_match_the_torch_path_in_the_interpreter(triton_interpr
 
 
 VOCAB = """
+import os
+
 import torch
 import torch.nn.functional as F
 import engine.triton_kernels as tk
@@ -245,3 +257,18 @@ print("ok")
 
 def test_vocab_projection_matches_fp32_linear_in_the_interpreter(triton_interpreter):
     triton_interpreter(VOCAB)
+
+
+def test_vocab_launch_settings_from_the_environment_are_checked():
+    import subprocess
+    import sys
+
+    def load(value: str) -> subprocess.CompletedProcess:
+        code = "import engine.triton_kernels as t; print(t.VOCAB_CONFIG)"
+        return subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLASHSPEC_VOCAB_CONFIG": value},
+                              capture_output=True, text=True)
+
+    assert load("v=64, w=8").stdout.strip() == "{'v': 64, 'h': 64, 'w': 8, 'split': 3}"
+    for bad, words in (("v=100", "power of two >= 16"), ("split=1", "must be 3"), ("x=2", "one of v=")):
+        done = load(bad)
+        assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])
