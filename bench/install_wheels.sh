@@ -86,7 +86,12 @@ done
 
 export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 ray_wheels=("$WORK"/wheels/ray-*.whl)  # none in a SET=engine bundle (nullglob)
+fi_wheels=("$WORK"/wheels/flashinfer_python-*.whl)
 bundle=$([[ ${#ray_wheels[@]} -gt 0 ]] && echo serve || echo engine)
+if [[ ${#fi_wheels[@]} -gt 0 ]]; then  # SET=flashinfer: its import is what bench/flashinfer_probe.py reports
+  echo "installed the flashinfer set; run: PYTHONPATH=$TARGET:\$PYTHONPATH python3 -m bench.flashinfer_probe"
+  exit 0
+fi
 echo "checking imports ($bundle set) with PYTHONPATH=$PYTHONPATH"
 "$PYTHON" - "$TARGET" "$bundle" <<'EOF'
 import importlib.metadata as md

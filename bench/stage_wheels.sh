@@ -16,7 +16,8 @@
 #   SET          serve (default): everything above, for the real app (bench/scale.py);
 #                engine: only what the engine, the GPU benchmark (bench/gpu.py) and the training recipe
 #                (training/demo_recipe.py) import beyond that machine's packages: gguf and pydantic (0.5 MB
-#                against 100+; with WITH_MODEL=1 the model is then nearly all of it)
+#                against 100+; with WITH_MODEL=1 the model is then nearly all of it);
+#                flashinfer: flashinfer and what it needs (254 MB; bench/flashinfer_probe.py), beside an engine set
 #   PY_VERSION   target Python (default 3.12; 3.11 builds the same set for a local check)
 #   STAGE        output folder (default .stage under the repo root)
 #   PART_SIZE    split size (default 28m)
@@ -61,10 +62,19 @@ SPECS=(
   # dependencies of packages the target has (aiohttp, scikit-learn>=1.9): normally present there, cheap insurance
   aiohappyeyeballs==2.7.1 narwhals==2.29.0
 )
+# flashinfer (bench/flashinfer_probe.py): the pure-Python flashinfer wheel (it compiles its kernels with nvcc on
+# first use) and what it imports that the machine lacks, for CUDA 13 builds of torch (cu13 CUTLASS DSL libraries)
+FLASHINFER_SPECS=(
+  flashinfer-python==0.7.4 apache-tvm-ffi==0.1.15.post2 cuda-python==13.4.4 cuda-bindings==13.4.4 cuda-core==1.2.2
+  cuda-pathfinder==1.9.1 cuda-tile==1.7.0 einops==0.8.2 nccl4py==0.6.0 nccl-extensions==0.1.0 ninja==1.13.2
+  nvidia-cudnn-frontend==1.32.0 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1
+  nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 nvidia-ml-py==13.615.71 tabulate==0.10.0
+)
 case "${SET:-serve}" in
   serve) ;;
   engine) SPECS=("${ENGINE_SPECS[@]}") ;;
-  *) echo "error: SET=${SET} is not one of: serve, engine" >&2; exit 2 ;;
+  flashinfer) SPECS=("${FLASHINFER_SPECS[@]}") ;;
+  *) echo "error: SET=${SET} is not one of: serve, engine, flashinfer" >&2; exit 2 ;;
 esac
 # shellcheck disable=SC2206
 [[ -n "${EXTRA_SPECS:-}" ]] && SPECS+=(${EXTRA_SPECS})

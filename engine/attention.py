@@ -2,10 +2,10 @@
 
 A backend takes queries for the new tokens and the cached keys/values of the rows (already
 containing the new tokens) plus a boolean visibility mask, and returns the attention output.
-PyTorch SDPA is the default and always available. FlexAttention and the Triton kernel
-(`engine.triton_attention`, GPU) are imported lazily; each falls back to SDPA, with a log line, where it
-is unavailable, and the Triton backend hands SDPA every call its kernel does not serve (prefill, CPU).
-flash-attn and flashinfer are not wired in: asking for them runs SDPA and says so.
+PyTorch SDPA is the default and always available. FlexAttention, the Triton kernel
+(`engine.triton_attention`, GPU) and flashinfer are imported lazily; each falls back to SDPA, with a log
+line, where it is unavailable, and the Triton and flashinfer backends hand SDPA every call they do not serve
+(prefill, CPU). flash-attn is not wired in: asking for it runs SDPA and says so.
 """
 
 from __future__ import annotations
@@ -97,12 +97,44 @@ class TritonBackend:
         return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len, positions=positions)
 
 
+class FlashInferBackend:
+    """flashinfer's attention (GPU; bf16/fp16; its kernels compile with nvcc on first use): each row of a short step
+    (decode, draft, verify: up to `max_tokens` new tokens) is one `single_prefill_with_kv_cache` call over the row's
+    keys and values as they lie in the cache (heads, slots, dim: flashinfer's HND layout), with the engine's mask as
+    its custom mask, so any mask (causal, deep-draft windows, trees) is served; SDPA takes the rest (prefill, fp32,
+    CPU). On the H200 at the default model's shapes its calls cost more than the Triton kernel's (bs 1, 704 slots:
+    8.3 against 5.0 us a decode call, 6.8 against 5.8 a 6-token verify call; bench/RESULTS.md, run 28), so `auto`
+    stays on Triton; flashinfer is there for models and batches where its kernels may win. Its FA3 (sm90) prefill
+    kernel stopped the process (SIGFPE) on a 6-token call: the FA2 one is asked for."""
+
+    name = "flashinfer"
+    bounds_by_position = False
+    max_tokens = 64
+    devices = ("cuda",)  # tests add "cpu" with a stand-in module
+
+    def __init__(self) -> None:
+        import flashinfer
+
+        self._prefill = flashinfer.single_prefill_with_kv_cache
+        self._sdpa = SdpaBackend()
+
+    def __call__(self, q, k, v, mask, positions=None):
+        bsz, _, t, _ = q.shape
+        if (q.device.type not in self.devices or q.dtype not in (torch.bfloat16, torch.float16) or t > self.max_tokens
+                or not (k.dtype == v.dtype == q.dtype) or mask.shape[1] != 1):
+            return self._sdpa(q, k, v, mask)
+        rows = [self._prefill(q[b].transpose(0, 1).contiguous(), k[b], v[b], custom_mask=mask[b, 0], kv_layout="HND",
+                              backend="fa2") for b in range(bsz)]  # each (T, Hq, D)
+        return torch.stack(rows).transpose(1, 2)  # (B, Hq, T, D)
+
+
 BACKENDS = ("auto", "sdpa", "flex", "triton", "flash_attn", "flashinfer")
 
 
 def make_backend(name: str = "sdpa", device: str | torch.device | None = None) -> AttentionBackend:
-    """`sdpa` (default), `flex`, `triton`, or `auto`: triton for a CUDA `device` where the triton package
-    is installed, SDPA otherwise (silently). `flash_attn` and `flashinfer` fall back to SDPA with a warning."""
+    """`sdpa` (default), `flex`, `triton`, `flashinfer`, or `auto`: triton for a CUDA `device` where the triton
+    package is installed, SDPA otherwise (silently). `flex`, `triton` and `flashinfer` fall back to SDPA with a
+    warning where they cannot run; `flash_attn` is not wired in and does the same."""
     if name == "auto":
         from engine.triton_kernels import available
 
@@ -124,8 +156,15 @@ def make_backend(name: str = "sdpa", device: str | torch.device | None = None) -
         except Exception as exc:  # noqa: BLE001 - any import/compile failure means "not available here"
             log.warning("FlexAttention unavailable (%s); using PyTorch SDPA", exc)
             return SdpaBackend()
-    if name in ("flash_attn", "flashinfer"):
-        # Not wired into this engine yet: asking for them is accepted, and says plainly what runs.
-        log.warning("the %s attention backend is not available in this build; using PyTorch SDPA", name)
+    if name == "flashinfer":
+        try:
+            return FlashInferBackend()
+        except Exception as exc:  # noqa: BLE001 - not installed (or not importable here): say so, run SDPA
+            log.warning("the flashinfer attention backend needs the flashinfer-python package (%s); using PyTorch SDPA",
+                        exc)
+            return SdpaBackend()
+    if name == "flash_attn":
+        # Not wired into this engine: asking for it is accepted, and says plainly what runs.
+        log.warning("the flash_attn attention backend is not available in this build; using PyTorch SDPA")
         return SdpaBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -123,3 +123,60 @@ def test_auto_is_sdpa_off_cuda_and_the_model_setter_uses_it():
     assert model.set_attention_backend("auto").backend.name == "sdpa"
     with pytest.raises(ValueError, match="unknown attention backend"):
         model.set_attention_backend("fastest")
+
+
+def _flashinfer_stand_in(calls: list):
+    """A module with flashinfer's `single_prefill_with_kv_cache` contract (q (T, Hq, D); k, v (Hkv, S, D) in the HND
+    layout; custom_mask (T, S) bool, True = visible; -> (T, Hq, D)), computed with SDPA: flashinfer itself is a GPU
+    package (tests/gpu/test_attention_flashinfer.py runs the real one)."""
+    import types
+
+    def single_prefill_with_kv_cache(q, k, v, custom_mask=None, kv_layout="NHD", backend="auto"):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(custom_mask.shape), kv_layout, backend))
+        assert kv_layout == "HND" and custom_mask.dtype == torch.bool and custom_mask.shape == (q.shape[0], k.shape[1])
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k[None].float(),
+                                                               v[None].float(), attn_mask=custom_mask[None, None],
+                                                               enable_gqa=True)
+        return out[0].transpose(0, 1).to(q.dtype)
+
+    return types.SimpleNamespace(single_prefill_with_kv_cache=single_prefill_with_kv_cache)
+
+
+def test_flashinfer_backend_passes_each_row_in_flashinfer_s_layout(monkeypatch):
+    import sys
+
+    from engine.attention import FlashInferBackend
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "flashinfer", _flashinfer_stand_in(calls))
+    backend = make_backend("flashinfer")
+    assert isinstance(backend, FlashInferBackend)
+    monkeypatch.setattr(backend, "devices", ("cuda", "cpu"))
+    torch.manual_seed(0)
+    for t in (1, 5):
+        cache_k, cache_v = torch.randn(3, 2, 40, 16).bfloat16(), torch.randn(3, 2, 40, 16).bfloat16()
+        k, v = cache_k[:, :, :30], cache_v[:, :, :30]  # the filled slots of a bigger cache: a strided view
+        q = torch.randn(3, 6, t, 16).bfloat16()  # GQA: 3 query heads per KV head
+        mask = torch.rand(3, 1, t, 30) < 0.6
+        mask[..., 0] = True  # every query sees a key
+        calls.clear()
+        out = backend(q, k, v, mask)
+        ref = SdpaBackend()(q.float(), k.float(), v.float(), mask).to(q.dtype)
+        assert out.shape == q.shape and len(calls) == 3 and calls[0] == ((t, 6, 16), (2, 30, 16), (t, 30), "HND", "fa2")
+        torch.testing.assert_close(out.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    calls.clear()
+    q32 = torch.randn(1, 6, 2, 16)
+    backend(q32, torch.randn(1, 2, 30, 16), torch.randn(1, 2, 30, 16), torch.ones(1, 1, 2, 30, dtype=torch.bool))
+    long_q = torch.randn(1, 6, FlashInferBackend.max_tokens + 1, 16).bfloat16()  # a prefill: SDPA's
+    kv = torch.randn(1, 2, 70, 16).bfloat16()
+    backend(long_q, kv, kv, torch.ones(1, 1, long_q.shape[2], 70, dtype=torch.bool))
+    assert calls == []  # fp32 and prefill calls went to SDPA
+
+
+def test_flashinfer_backend_without_the_package_runs_sdpa_and_says_so(monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails, as where it is not installed
+    with caplog.at_level("WARNING"):
+        assert make_backend("flashinfer").name == "sdpa"
+    assert "flashinfer-python" in caplog.text
