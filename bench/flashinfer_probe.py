@@ -2,13 +2,14 @@
 engine's Triton kernel and PyTorch SDPA at the default model's shapes (bf16, 9 query / 3 KV heads, head dim 64;
 one row: a decode step's 1 token and a verify pass's 6, over 704 and 2,048 filled cache slots).
 
-    SET=flashinfer PART_SIZE=55m STAGE=.stage/fi bash bench/stage_wheels.sh   # here: flashinfer and its wheels
-    bash bench/install_wheels.sh /root/stage /tmp/site                        # there, after the parts are copied
-    PYTHONPATH=/tmp/site python -m bench.flashinfer_probe
+    SET=flashinfer PART_SIZE=24m STAGE=.stage/fi bash bench/stage_wheels.sh   # here: 243 MB in 11 parts (a part
+                                                          # and the working tree fit one 64 MiB transfer)
+    bash bench/install_wheels.sh /root/fi /tmp/fisite     # there, once every part (and wheels.sha256) is copied
+    PYTHONPATH=/tmp/fisite python -m bench.flashinfer_probe [--slots 704,2048] [--tokens 1,6] [--prefill-backend fa2|auto]
 
 flashinfer-python is a pure-Python wheel (101 MB of sources) that compiles its CUDA kernels with nvcc on first
 use; the probe times that first call per kernel. Each call is then timed in a CUDA graph of 20 calls (us a
-call; eager with CUDA events if flashinfer's call cannot be captured, said in the row), with its largest
+call; eager calls between synchronizations if flashinfer's call cannot be captured, said in the row), with its largest
 difference from SDPA in fp32. One JSON line per case; the import's failure, if any, is a line too (exit 1).
 """
 
@@ -39,7 +40,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", default="704,2048", help="filled cache slots, comma list")
     parser.add_argument("--tokens", default="1,6", help="new tokens of the row (1: decode, more: a verify pass)")
-    parser.add_argument("--prefill-backend", default="auto", help="single_prefill_with_kv_cache's backend (auto, fa2, fa3)")
+    parser.add_argument("--prefill-backend", default="fa2",
+                        help="single_prefill_with_kv_cache's backend: fa2, or auto / fa3 (sm90), which stopped the "
+                             "process with SIGFPE on a 6-token call on the H200 (bench/RESULTS.md, run 28)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.flashinfer_probe needs a CUDA GPU; run it on the GPU machine")
