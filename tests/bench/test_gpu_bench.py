@@ -58,18 +58,17 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
     assert all(line.count("|") == lines[2].count("|") for line in lines)  # the failed row keeps the columns
 
 
-def test_round_profile_without_a_gpu_says_so_and_where_to_run_it():
+@pytest.mark.parametrize("module", ["bench.round_profile", "bench.flashinfer_probe"])
+def test_gpu_scripts_without_a_gpu_say_so_and_where_to_run_them(module):
     import subprocess
     import sys
     from pathlib import Path
 
-    import pytest
-
     if torch.cuda.is_available():
-        pytest.skip("a GPU is here: the profile would run")
-    done = subprocess.run([sys.executable, "-m", "bench.round_profile"], capture_output=True, text=True, timeout=120,
+        pytest.skip("a GPU is here: the script would run")
+    done = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr
+    assert done.returncode == 1 and "needs a CUDA GPU" in done.stderr and "GPU machine" in done.stderr
 
 
 def test_fused_and_attention_rows_run_in_the_same_settings():
