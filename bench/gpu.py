@@ -794,7 +794,8 @@ def main_table(bench: Bench, args) -> list[str]:
              + (f" ({args.short_passes} in the short cells)" if args.short_passes else "")
              + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}"
              + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}"
-             + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}",
+             + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}"
+             + f"; programmatic dependent launch {'on (FLASHSPEC_PDL=1)' if triton_kernels.PDL else 'off'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from engine.triton_kernels import served
+from engine.triton_kernels import pdl, served
 
 MAX_TILE_ROWS = 64  # query heads per KV head x new tokens per row served by one tile
 BLOCK_N = 64  # cache slots per inner-loop block
@@ -38,6 +38,7 @@ BLOCK_N = 64  # cache slots per inner-loop block
 def _kernels():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def attend(Q, K, V, M, O, LSE, ROWS, POS,
@@ -46,7 +47,10 @@ def _kernels():
                T, S, per_split, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_POS: tl.constexpr,
-               BLOCK_T: tl.constexpr):
+               BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+        if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         if HAS_ROWS:
             kb = tl.load(ROWS + b)  # the cache row this batch row reads, in place (no gathered copy)
@@ -109,10 +113,13 @@ def _kernels():
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def merge(P, LSE, O, n_split, sp_o, sp_l, D: tl.constexpr, SP: tl.constexpr):
+    def merge(P, LSE, O, n_split, sp_o, sp_l, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
         """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D), rows in (b, t, head)
         order; one program per row, every split loaded at once (a step's merge is latency, not work: no loop
         of dependent loads)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         sp = tl.arange(0, SP)
         d = tl.arange(0, D)
@@ -172,7 +179,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     mb, _, mt, ms = m8.stride()
     common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
                   HAS_ROWS=rows is not None, HAS_POS=positions is not None,
-                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), num_warps=4)
+                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), num_warps=4, **pdl(q))
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))
     scale = d ** -0.5
@@ -190,5 +197,5 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                                 ms, *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0), *pos_strides,
                                 t, s, per_split, scale, SPLIT=True, **common)
     merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
-                           SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1)
+                           SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1, **pdl(q))
     return out

@@ -42,13 +42,18 @@ SAMPLING = os.environ.get("FLASHSPEC_SAMPLING_KERNELS", "1") != "0"
 def _kernels():
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def kv_write_kernel(K, V, KC, VC, ROWS, POS, row0, T, S,
                         skb, skh, skt, skd, svb, svh, svt, svd,
                         sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
-                        H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, HAS_ROWS: tl.constexpr):
+                        H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, HAS_ROWS: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """One program per (row, new token): all KV heads' keys and values into the cache at its position."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         i = tl.program_id(0)
         b = i // T
         t = i % T
@@ -66,8 +71,11 @@ def _kernels():
         tl.store(VC + r * scvr + h[:, None] * scvh + p * scvs + d[None, :] * scvd, v, mask=m)
 
     @triton.jit
-    def argmax_partial(X, VAL, IDX, V, sxr, C, BLOCK: tl.constexpr):
+    def argmax_partial(X, VAL, IDX, V, sxr, C, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row, chunk): the largest value of one chunk of a row and its first index."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         c = tl.program_id(1)
         offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -78,8 +86,11 @@ def _kernels():
         tl.store(IDX + r * C + c, c * BLOCK + i)
 
     @triton.jit
-    def argmax_final(VAL, IDX, OUT, C, CP: tl.constexpr):
+    def argmax_final(VAL, IDX, OUT, C, CP: tl.constexpr, PDL: tl.constexpr = False):
         """Program row: the chunk with the largest value (the first of equals) -> the row's index."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         c = tl.arange(0, CP)
         v = tl.load(VAL + r * C + c, mask=c < C, other=-float("inf"))
@@ -91,10 +102,13 @@ def _kernels():
                              sqn, sqw, scn, scd, son, soh, sod,
                              sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
                              HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HQP: tl.constexpr,
-                             HKP: tl.constexpr, HAS_ROWS: tl.constexpr):
+                             HKP: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
         """One program per (row, new token) of a fused q|k|v projection: RoPE on the query heads (out to QO)
         and on the key heads, and the keys and values written into the cache at the token's position. (Its
         first lines repeat kv_write_kernel's: a jit function defined in this closure cannot call another.)"""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         i = tl.program_id(0)
         b = i // T
         t = i % T
@@ -126,9 +140,12 @@ def _kernels():
         tl.store(VC + r * scvr + hk[:, None] * scvh + p * scvs + d[None, :] * scvd, v, mask=mw)
 
     @triton.jit
-    def uniform_kernel(STATE, OUT, offset, per_row, ssb, ssc, BLOCK: tl.constexpr):
+    def uniform_kernel(STATE, OUT, offset, per_row, ssb, ssc, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program row: its stream's draws counter + offset + j, j < per_row (engine.sampling.uniform_at's
         int64 arithmetic, op for op)."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0)
         key = tl.load(STATE + b * ssb)
         counter = tl.load(STATE + b * ssb + ssc)
@@ -146,10 +163,14 @@ def _kernels():
         tl.store(OUT + b * per_row + j, (bits >> 8).to(tl.float32) * (1.0 / 16777216.0), mask=j < per_row)
 
     @triton.jit
-    def tempered_softmax_kernel(X, TEMP, OUT, sxr, sor, rows_per_temp, V: tl.constexpr, BLOCK: tl.constexpr):
+    def tempered_softmax_kernel(X, TEMP, OUT, sxr, sor, rows_per_temp, V: tl.constexpr, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """Program row: softmax(x / t) of its row in fp32, t = TEMP[row // rows_per_temp]; t == 0: one-hot at the
         first largest x (NaN counts as largest). A row longer than a block takes two passes: running max and
         sum, then the probabilities."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         t = tl.load(TEMP + r // rows_per_temp)
         offs0 = tl.arange(0, BLOCK)
@@ -193,10 +214,14 @@ def _kernels():
                 tl.store(o_row + offs, tl.exp(x - m) / s, mask=offs < V)
 
     @triton.jit
-    def inverse_cdf_kernel(P, U, OUT, spr, su, V: tl.constexpr, BLOCK: tl.constexpr):
+    def inverse_cdf_kernel(P, U, OUT, spr, su, V: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
         """Program row: the number of fp64 CDF entries at or below u * total (a sorted search), capped at the
         last token of positive probability. A row longer than a block takes two passes, both summing the CDF
         block by block in the same order, so the total is exactly its last entry."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         r = tl.program_id(0)
         offs0 = tl.arange(0, BLOCK)
         p_row = P + r.to(tl.int64) * spr
@@ -228,12 +253,15 @@ def _kernels():
 
     @triton.jit
     def vocab_projection_kernel(X, W, OUT, N, V, sxr, swr, sor, H: tl.constexpr, BLOCK_V: tl.constexpr,
-                                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr):
+                                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
         """Program (vocabulary block, tile of 16 rows): OUT = X @ W.T over its block, X fp32, W 16-bit and read as
         it is, sums in fp32. SPLIT = 3 cuts each x into three 16-bit parts (hi + mid + lo: 24 mantissa bits
         between them, an fp32's) and adds three tensor-core products into one fp32 accumulator, smallest
         first; SPLIT = 0 widens W and multiplies in fp32 (no tf32). Each output is its row's and column's
         alone: a row gets the same bits whichever other rows share its call."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
         pv = tl.program_id(0)
         pm = tl.program_id(1)
         v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -279,6 +307,27 @@ def served(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# Programmatic dependent launch (Hopper and later): every engine kernel is launched so that the GPU may schedule it
+# while the kernel before it still runs, and it waits for that kernel (griddepcontrol.wait) before it reads or writes
+# anything. Inside a CUDA graph of a small model each kernel boundary is a launch latency; this hides part of it.
+# Off until measured on the GPU: FLASHSPEC_PDL=1 turns it on where the device supports it.
+PDL = os.environ.get("FLASHSPEC_PDL", "0") == "1"
+
+
+@functools.lru_cache(maxsize=16)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """An engine kernel's launch options for tensors on t's device: the PDL constexpr (the kernel waits for the one
+    before it, then lets the next one launch) and Triton's launch_pdl, both on where `PDL` is set and the GPU is a
+    Hopper or later; PDL off otherwise (CPU tensors under Triton's interpreter included)."""
+    if PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
 def _row_args(rows, input_pos: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
     """The cache-row arguments of the write kernels: (row pointer, first row, HAS_ROWS) for rows None, a
     slice, or an index tensor (the pointer is unread without HAS_ROWS)."""
@@ -305,7 +354,7 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, rows, input_pos: torc
     _kernels().kv_write[(bsz * t,)](
         k, v, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
-        H=heads, D=d, HP=max(1, 1 << (heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1)
+        H=heads, D=d, HP=max(1, 1 << (heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1, **pdl(k))
     return True
 
 
@@ -335,7 +384,7 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         *qkv.stride(), *cos.stride(), *q.stride(), *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
         HQ=heads, HKV=kv_heads, D=d, HQP=max(1, 1 << (heads - 1).bit_length()),
-        HKP=max(1, 1 << (kv_heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1)
+        HKP=max(1, 1 << (kv_heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1, **pdl(qkv))
     return q
 
 
@@ -349,7 +398,7 @@ def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.
     out = torch.empty(rows, per_row, device=state.device, dtype=torch.float32)
     if rows:
         _kernels().uniform[(rows,)](state, out, offset, per_row, *state.stride(),
-                                    BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1)
+                                    BLOCK=max(2, 1 << (per_row - 1).bit_length()), num_warps=1, **pdl(state))
     return out
 
 
@@ -371,8 +420,9 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     idx = torch.empty(n, chunks, device=x.device, dtype=torch.int64)
     out = torch.empty(n, device=x.device, dtype=torch.int64)
     kernels = _kernels()
-    kernels.argmax_partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4)
-    kernels.argmax_final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+    kernels.argmax_partial[(n, chunks)](rows, val, idx, v, rows.stride(0), chunks, BLOCK=ARGMAX_CHUNK, num_warps=4,
+                                        **pdl(x))
+    kernels.argmax_final[(n,)](val, idx, out, chunks, CP=max(2, 1 << (chunks - 1).bit_length()), num_warps=1, **pdl(x))
     return out.view(x.shape[:-1])
 
 
@@ -400,7 +450,8 @@ def tempered_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.T
     rows = logits.reshape(-1, v)
     out = torch.empty(rows.shape, device=logits.device, dtype=torch.float32)
     _kernels().tempered_softmax[(rows.shape[0],)](rows, temperature.contiguous(), out, rows.stride(0), out.stride(0),
-                                                  rows.shape[0] // logits.shape[0], **_sampling_launch(v))
+                                                  rows.shape[0] // logits.shape[0], **_sampling_launch(v),
+                                                  **pdl(logits))
     return out.view(logits.shape)
 
 
@@ -418,7 +469,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(probs.shape[0], device=probs.device, dtype=torch.int64)
     if probs.shape[0]:
         _kernels().inverse_cdf[(probs.shape[0],)](probs, u, out, probs.stride(0), u.stride(0),
-                                                  **_sampling_launch(probs.shape[1]))
+                                                  **_sampling_launch(probs.shape[1]), **pdl(probs))
     return out
 
 
@@ -481,5 +532,5 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
     _kernels().vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
         rows, weight, out, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"])
+        H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"], **pdl(x))
     return out.view(*x.shape[:-1], vocab)

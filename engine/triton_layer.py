@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from engine.triton_kernels import _row_args, available, launch_config, served
+from engine.triton_kernels import _row_args, available, launch_config, pdl, served
 
 ENABLED = os.environ.get("FLASHSPEC_LAYER_KERNELS", "1") != "0"
 # Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile; on the
@@ -139,7 +139,7 @@ def norm_qkv_rope_write(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
         n, eps, x.stride(0), dd.stride(0), res.stride(0), w_qkv.stride(0), *cos.stride(), *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
         K=hidden, HQ=heads, HKV=kv_heads, D=d, BLOCK_M=_block_m(n), BLOCK_K=_block_k(hidden), COLS=cols,
-        HAS_DELTA=delta is not None, HAS_ROWS=has_rows, num_warps=CONFIG["w"], num_stages=CONFIG["s"])
+        HAS_DELTA=delta is not None, HAS_ROWS=has_rows, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
     return res, q
 
 
@@ -161,5 +161,5 @@ def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: 
         x, dd, res, norm_weight, w_gate_up, out, n, eps, x.stride(0), dd.stride(0), res.stride(0),
         w_gate_up.stride(0), out.stride(0),
         K=hidden, INTER=inter, BLOCK_M=_block_m(n), BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
-        HAS_DELTA=delta is not None, num_warps=CONFIG["w"], num_stages=CONFIG["s"])
+        HAS_DELTA=delta is not None, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
     return res, out

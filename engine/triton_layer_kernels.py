@@ -3,6 +3,7 @@ lacks, and jit functions call each other only at module level). Read that module
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _normalized(X, DELTA, NW, m, mask_m, k0, sxm, sdm, rstd, K: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -42,9 +43,12 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
                          sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
                          K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                         HAS_ROWS: tl.constexpr):
+                         HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """Program (h, c): columns c*COLS.. of both halves of head h of q|k|v (queries, then keys, then values)
     for every row: a half's column pairs with the same column of the other half under RoPE."""
+    if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // COLS
     head = tl.program_id(0) // PARTS
@@ -96,8 +100,11 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
 @triton.jit
 def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, som,
                         K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr):
+                        BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = False):
     """Program n: intermediate columns n*BLOCK_N.. of SiLU(gate) * up for every row."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     mask_m = m < M

@@ -272,3 +272,49 @@ def test_vocab_launch_settings_from_the_environment_are_checked():
     for bad, words in (("v=100", "power of two >= 16"), ("split=1", "must be 3"), ("x=2", "one of v=")):
         done = load(bad)
         assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])
+
+
+def test_programmatic_dependent_launch_is_off_unless_asked_and_on_a_hopper_gpu(monkeypatch):
+    import engine.triton_kernels as tk
+
+    assert tk.pdl(torch.zeros(1)) == {"PDL": False}  # the default: off
+    monkeypatch.setattr(tk, "PDL", True)
+    assert tk.pdl(torch.zeros(1)) == {"PDL": False}  # CPU tensors (Triton's interpreter): never
+
+
+def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
+    """Every engine kernel's PDL variant compiles for sm90 (Triton's own compiler and ptxas, no GPU needed) and waits
+    for the kernel before it (griddepcontrol); the GPU runs are tests/gpu/test_pdl_gpu.py."""
+    import pytest
+
+    from engine.triton_kernels import available
+
+    if not available():
+        pytest.skip("needs the triton package")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import engine.triton_attention as ta
+    import engine.triton_kernels as tk
+    import engine.triton_layer_kernels as lk
+
+    def ptx(kernel, pointers: dict, constants: dict) -> str:
+        signature = {p.name: "constexpr" if p.is_constexpr else pointers.get(p.name, "i32") for p in kernel.params}
+        src = ASTSource(fn=kernel, signature=signature, constexprs={**constants, "PDL": True})
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True}).asm["ptx"]
+
+    attend, merge = ta._kernels()
+    kernels = tk._kernels()
+    cases = [
+        (kernels.vocab_projection, {"X": "*fp32", "W": "*bf16", "OUT": "*fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3)),
+        (attend, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "M": "*u8", "O": "*fp32", "LSE": "*fp32", "ROWS": "*i64",
+                  "POS": "*i64", "scale": "fp32"},
+         dict(G=3, D=64, BLOCK_M=16, BLOCK_N=64, IEEE=False, SPLIT=True, HAS_ROWS=False, HAS_POS=True, BLOCK_T=2)),
+        (merge, {"P": "*fp32", "LSE": "*fp32", "O": "*bf16"}, dict(D=64, SP=16)),
+        (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
+         dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
+        (kernels.argmax_partial, {"X": "*fp32", "VAL": "*fp32", "IDX": "*i64"}, dict(BLOCK=2048)),
+    ]
+    for kernel, pointers, constants in cases:
+        assert ptx(kernel, pointers, constants).count("griddepcontrol.wait") == 1, kernel
