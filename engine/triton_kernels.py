@@ -515,14 +515,16 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     other rows of its call: a decode step's row and the same row in a verify pass get the same bits, which
     cuBLAS's shape-dependent kernels do not promise. On the H200 (run 28) 22 against 33 us a decode step's
     projection, 23 against 56 us a 6-token verify pass's, 64 against 98 us at 48 rows. None for calls it does
-    not serve (more than VOCAB_MAX_ROWS rows, other dtypes, fp16 weights): the caller projects as before.
+    not serve (more than VOCAB_MAX_ROWS rows, other dtypes, fp16 weights, a gradient to carry): the caller projects
+    as before.
     `config` overrides VOCAB_CONFIG's entries (a sweep)."""
     h = x.shape[-1] if x.dim() else 0
     cfg = {**VOCAB_CONFIG, **(config or {})}
     if (not ENABLED or not VOCAB or not available() or not served(x, weight) or x.dtype != torch.float32
             or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.shape[1] != h
             or weight.stride(1) != 1 or h == 0 or x.numel() == 0 or x.numel() // h > VOCAB_MAX_ROWS
-            or (cfg["split"] and weight.dtype != torch.bfloat16)):  # fp16 parts of an fp32 would underflow
+            or (cfg["split"] and weight.dtype != torch.bfloat16)  # fp16 parts of an fp32 would underflow
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward here
         return None
     rows = x.reshape(-1, h)
     if rows.stride(-1) != 1:

@@ -239,6 +239,9 @@ assert tk.vocab_projection(x[:, ::2].contiguous(), w[:, ::2]) is None  # a strid
 assert tk.vocab_projection(torch.randn(tk.VOCAB_MAX_ROWS + 1, 96), w) is None  # too many rows: F.linear's
 assert tk.vocab_projection(x.double(), w) is None and tk.vocab_projection(x, w.float()) is None
 assert tk.vocab_projection(x, w.half(), {"split": 3}) is None  # fp16 parts of an fp32 underflow: not served
+assert tk.vocab_projection(x.clone().requires_grad_(), w) is None  # a gradient to carry: F.linear's
+with torch.no_grad():
+    assert tk.vocab_projection(x.clone().requires_grad_(), w.clone().requires_grad_()) is not None
 # the model: a bf16 model's logits come from the kernel, close to F.linear over the fp32 copy, which is never made
 args = ModelArgs(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
