@@ -229,7 +229,8 @@ def sampling_calls() -> None:
 def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
     """The target's vocabulary projection (49,152 x 576, fp32 rows) in a CUDA graph of 20 calls, us a call: F.linear
     over the fp32 copy of the weight (what the model ran before) against `triton_kernels.vocab_projection` over the
-    bf16 weight in each launch setting swept, with its largest difference from F.linear."""
+    bf16 weight in each launch setting swept, with its largest difference from F.linear; then the final RMSNorm in
+    torch ops before the kernel against `norm_vocab_projection` (both in one launch)."""
     import itertools
 
     import torch.nn.functional as F
@@ -253,6 +254,21 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
                                                         float(f"{err:.2g}")]
             except Exception as exc:  # a setting that does not compile (shared memory, registers): skipped, said
                 row[f"split={split},v={v},w={warps}"] = type(exc).__name__
+        # the model's final step: its fp32 RMSNorm in torch ops then the kernel, against both in one launch
+        hidden, norm_w = (3 * torch.randn(n, 576, device="cuda")).bfloat16(), torch.ones(576, device="cuda").bfloat16()
+
+        def torch_norm_then_kernel():
+            x = hidden.float()
+            x = norm_w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+            return triton_kernels.vocab_projection(x, w), x.to(hidden.dtype)
+
+        saved, triton_kernels.VOCAB_NORM = triton_kernels.VOCAB_NORM, True
+        try:
+            row["norm_then_projection_us"] = round(per_call_us(torch_norm_then_kernel), 2)
+            row["norm_in_projection_us"] = round(per_call_us(
+                lambda: triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)), 2)
+        finally:
+            triton_kernels.VOCAB_NORM = saved
         print(json.dumps(row), flush=True)
 
 

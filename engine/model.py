@@ -402,6 +402,11 @@ class Transformer(nn.Module):
         # Low-precision models: the final norm and the vocabulary projection run in fp32. Greedy
         # decisions are argmaxes over the logits; bf16 logits (8-bit mantissa) tie and flip often,
         # and would make speculative and plain decoding disagree more than their hidden states do.
+        fused = (triton_kernels.norm_vocab_projection(final, self.norm.weight, self.norm.eps, self.lm_head.weight)
+                 if compute_logits else None)
+        if fused is not None:  # both in one launch on the GPU (FLASHSPEC_VOCAB_NORM=1)
+            logits, normed = fused
+            return ForwardOutput(hidden, normed, logits, captured)
         x = final.float()
         x = self.norm.weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm.eps))
         logits = self._project_vocab(x) if compute_logits else None

@@ -285,10 +285,55 @@ def _kernels():
                 acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
         tl.store(OUT + m[:, None].to(tl.int64) * sor + v[None, :], acc, mask=(m[:, None] < N) & (v[None, :] < V))
 
+    @triton.jit
+    def norm_vocab_projection_kernel(X, NW, W, OUT, NORMED, N, V, sxr, swr, sor, snr, eps, H: tl.constexpr,
+                                     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
+                                     PDL: tl.constexpr = False):
+        """`vocab_projection_kernel` of the final RMSNorm of X's rows, done in the program: fp32 statistics, the
+        normalized row in fp32 (weight * (x * rstd)), never rounded before the projection; program 0 of the
+        vocabulary also writes it rounded to X's dtype (the model's final hidden state)."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
+        pv = tl.program_id(0)
+        pm = tl.program_id(1)
+        v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
+        m = pm * 16 + tl.arange(0, 16)
+        ss = tl.zeros((16,), tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_H):
+            k = k0 + tl.arange(0, BLOCK_H)
+            x = tl.load(X + m[:, None] * sxr + k[None, :], mask=(m[:, None] < N) & (k[None, :] < H), other=0.0)
+            x = x.to(tl.float32)
+            ss += tl.sum(x * x, 1)
+        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        acc = tl.zeros((16, BLOCK_V), tl.float32)
+        for k0 in tl.static_range(0, H, BLOCK_H):
+            k = k0 + tl.arange(0, BLOCK_H)
+            mk = (m[:, None] < N) & (k[None, :] < H)
+            x = tl.load(X + m[:, None] * sxr + k[None, :], mask=mk, other=0.0).to(tl.float32)
+            x = tl.load(NW + k, mask=k < H, other=0.0).to(tl.float32)[None, :] * (x * rstd[:, None])
+            if pv == 0:
+                tl.store(NORMED + m[:, None] * snr + k[None, :], x.to(NORMED.dtype.element_ty), mask=mk)
+            w = tl.load(W + v[:, None].to(tl.int64) * swr + k[None, :], mask=(v[:, None] < V) & (k[None, :] < H),
+                        other=0.0)
+            wt = tl.trans(w)
+            if SPLIT:
+                hi = x.to(W.dtype.element_ty)
+                rest = x - hi.to(tl.float32)
+                mid = rest.to(W.dtype.element_ty)
+                lo = (rest - mid.to(tl.float32)).to(W.dtype.element_ty)
+                acc = tl.dot(lo, wt, acc)
+                acc = tl.dot(mid, wt, acc)
+                acc = tl.dot(hi, wt, acc)
+            else:
+                acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
+        tl.store(OUT + m[:, None].to(tl.int64) * sor + v[None, :], acc, mask=(m[:, None] < N) & (v[None, :] < V))
+
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
                                  tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
-                                 vocab_projection=vocab_projection_kernel)
+                                 vocab_projection=vocab_projection_kernel,
+                                 norm_vocab_projection=norm_vocab_projection_kernel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -536,3 +581,38 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
         rows, weight, out, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
         H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"], **pdl(x))
     return out.view(*x.shape[:-1], vocab)
+
+
+# True (FLASHSPEC_VOCAB_NORM=1; off until measured on the GPU): a low-precision model's final RMSNorm runs inside the
+# vocabulary projection's launch (`norm_vocab_projection`) instead of as about eight small torch kernels before it.
+VOCAB_NORM = os.environ.get("FLASHSPEC_VOCAB_NORM", "0") == "1"
+
+
+def norm_vocab_projection(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The model's final step for rows of a low-precision model in one launch: hidden (..., H) in the model's dtype
+    -> (fp32 logits (..., V) of weight * RMSNorm(hidden) in fp32, the normalized rows rounded to hidden's dtype),
+    what `Transformer.forward` computes with torch ops (an fp32 norm, then `vocab_projection`): only the order of
+    the fp32 sums differs. Every program normalizes its rows itself (they are a few KB). None for calls it does not
+    serve (`VOCAB_NORM` off, and whatever `vocab_projection` declines)."""
+    h = hidden.shape[-1] if hidden.dim() else 0
+    cfg = {**VOCAB_CONFIG, **(config or {})}
+    if (not VOCAB_NORM or not ENABLED or not VOCAB or not available() or not served(hidden, norm_weight, weight)
+            or hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (torch.bfloat16, torch.float16)
+            or weight.dim() != 2 or weight.shape[1] != h or weight.stride(1) != 1 or norm_weight.shape != (h,)
+            or not norm_weight.is_contiguous() or h == 0 or hidden.numel() == 0 or hidden.numel() // h > VOCAB_MAX_ROWS
+            or (cfg["split"] and weight.dtype != torch.bfloat16)
+            or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or norm_weight.requires_grad))):
+        return None
+    rows = hidden.reshape(-1, h)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n, vocab = rows.shape[0], weight.shape[0]
+    out = torch.empty(n, vocab, device=hidden.device, dtype=torch.float32)
+    normed = torch.empty(n, h, device=hidden.device, dtype=hidden.dtype)
+    block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
+    _kernels().norm_vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
+        rows, norm_weight, weight, out, normed, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
+        normed.stride(0), eps, H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"],
+        **pdl(hidden))
+    return out.view(*hidden.shape[:-1], vocab), normed.view(hidden.shape)

@@ -254,6 +254,22 @@ with torch.no_grad():
     slow = model(tokens, torch.arange(5)[None].expand(2, 5)).logits
 assert fast.dtype == slow.dtype == torch.float32
 torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+# the final norm inside the projection's launch (FLASHSPEC_VOCAB_NORM=1): the torch path's logits and final states
+tk.VOCAB = True
+hidden = (3 * torch.randn(2, 5, 64)).to(torch.bfloat16)
+norm_w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+assert tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight) is None  # off unless asked
+tk.VOCAB_NORM = True
+with torch.no_grad():
+    logits, normed = tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight)
+    x = hidden.float()
+    x = norm_w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(logits, F.linear(x, model.lm_head.weight.float()), rtol=1e-5, atol=1e-5)
+    assert normed.dtype == torch.bfloat16 and normed.shape == hidden.shape
+    # within one bf16 unit (the interpreter's casts truncate where the GPU's round to nearest)
+    torch.testing.assert_close(normed.float(), x.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)
+    both = model(tokens, torch.arange(5)[None].expand(2, 5))  # the model takes it: same logits as the torch path
+    torch.testing.assert_close(both.logits, slow, rtol=1e-5, atol=1e-5)
 print("ok")
 """
 
@@ -318,6 +334,8 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
          dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
         (kernels.argmax_partial, {"X": "*fp32", "VAL": "*fp32", "IDX": "*i64"}, dict(BLOCK=2048)),
+        (kernels.norm_vocab_projection, {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "OUT": "*fp32", "NORMED": "*bf16",
+                                         "eps": "fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3)),
     ]
     for kernel, pointers, constants in cases:
         assert ptx(kernel, pointers, constants).count("griddepcontrol.wait") == 1, kernel

@@ -186,3 +186,26 @@ def test_vocab_projection_inside_a_cuda_graph_and_in_the_model():
     with torch.no_grad():
         model(tokens, torch.arange(7, device="cuda")[None])
     assert getattr(model, "_lm_head_f32", None) is None  # the fp32 copy of the weight is never made
+
+
+@pytest.mark.parametrize("n", [1, 6, 48])
+def test_norm_vocab_projection_equals_the_torch_norm_then_projection(monkeypatch, n):
+    import torch.nn.functional as F
+
+    monkeypatch.setattr(triton_kernels, "VOCAB_NORM", True)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    w = (0.05 * torch.randn(49152, 576, device="cuda", generator=g)).to(torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(576, device="cuda", generator=g)).to(torch.bfloat16)
+    hidden = (3 * torch.randn(n, 576, device="cuda", generator=g)).to(torch.bfloat16)
+    logits, normed = triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)
+    x = hidden.float()
+    x = norm_w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(logits, F.linear(x, w.float()), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(normed.float(), x.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)  # one bf16 unit
+    alone = torch.cat([triton_kernels.norm_vocab_projection(hidden[i : i + 1], norm_w, 1e-5, w)[0] for i in range(n)])
+    assert torch.equal(alone, logits)  # a row's logits do not depend on the rows sharing its call
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)
+    graph.replay()
+    assert torch.equal(replayed[0], logits) and torch.equal(replayed[1], normed)
