@@ -252,13 +252,17 @@ def _kernels():
         tl.store(OUT + r, tl.minimum(below, last).to(tl.int64))
 
     @triton.jit
-    def vocab_projection_kernel(X, W, OUT, N, V, sxr, swr, sor, H: tl.constexpr, BLOCK_V: tl.constexpr,
-                                BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+    def vocab_projection_kernel(X, NW, W, OUT, NORMED, N, V, sxr, swr, sor, snr, eps, H: tl.constexpr,
+                                BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """Program (vocabulary block, tile of 16 rows): OUT = X @ W.T over its block, X fp32, W 16-bit and read as
         it is, sums in fp32. SPLIT = 3 cuts each x into three 16-bit parts (hi + mid + lo: 24 mantissa bits
         between them, an fp32's) and adds three tensor-core products into one fp32 accumulator, smallest
         first; SPLIT = 0 widens W and multiplies in fp32 (no tf32). Each output is its row's and column's
-        alone: a row gets the same bits whichever other rows share its call."""
+        alone: a row gets the same bits whichever other rows share its call. NORM: X holds the model's final
+        states (16-bit) and the program takes the final RMSNorm of its rows first (fp32 statistics, the
+        normalized row NW * (x * rstd) in fp32, never rounded before the projection); program 0 of the
+        vocabulary also writes it rounded to X's dtype into NORMED (the model's final hidden state)."""
         if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -266,54 +270,23 @@ def _kernels():
         pm = tl.program_id(1)
         v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
         m = pm * 16 + tl.arange(0, 16)
-        acc = tl.zeros((16, BLOCK_V), tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_H):
-            k = k0 + tl.arange(0, BLOCK_H)
-            x = tl.load(X + m[:, None] * sxr + k[None, :], mask=(m[:, None] < N) & (k[None, :] < H), other=0.0)
-            w = tl.load(W + v[:, None].to(tl.int64) * swr + k[None, :], mask=(v[:, None] < V) & (k[None, :] < H),
-                        other=0.0)
-            wt = tl.trans(w)
-            if SPLIT:
-                hi = x.to(W.dtype.element_ty)
-                rest = x - hi.to(tl.float32)
-                mid = rest.to(W.dtype.element_ty)
-                lo = (rest - mid.to(tl.float32)).to(W.dtype.element_ty)
-                acc = tl.dot(lo, wt, acc)
-                acc = tl.dot(mid, wt, acc)
-                acc = tl.dot(hi, wt, acc)
-            else:
-                acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
-        tl.store(OUT + m[:, None].to(tl.int64) * sor + v[None, :], acc, mask=(m[:, None] < N) & (v[None, :] < V))
-
-    @triton.jit
-    def norm_vocab_projection_kernel(X, NW, W, OUT, NORMED, N, V, sxr, swr, sor, snr, eps, H: tl.constexpr,
-                                     BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr,
-                                     PDL: tl.constexpr = False):
-        """`vocab_projection_kernel` of the final RMSNorm of X's rows, done in the program: fp32 statistics, the
-        normalized row in fp32 (weight * (x * rstd)), never rounded before the projection; program 0 of the
-        vocabulary also writes it rounded to X's dtype (the model's final hidden state)."""
-        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
-            gdc_wait()
-            gdc_launch_dependents()
-        pv = tl.program_id(0)
-        pm = tl.program_id(1)
-        v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
-        m = pm * 16 + tl.arange(0, 16)
-        ss = tl.zeros((16,), tl.float32)
-        for k0 in tl.static_range(0, H, BLOCK_H):
-            k = k0 + tl.arange(0, BLOCK_H)
-            x = tl.load(X + m[:, None] * sxr + k[None, :], mask=(m[:, None] < N) & (k[None, :] < H), other=0.0)
-            x = x.to(tl.float32)
-            ss += tl.sum(x * x, 1)
-        rstd = 1.0 / tl.sqrt(ss / H + eps)
+        if NORM:
+            ss = tl.zeros((16,), tl.float32)
+            for k0 in tl.static_range(0, H, BLOCK_H):
+                k = k0 + tl.arange(0, BLOCK_H)
+                x = tl.load(X + m[:, None] * sxr + k[None, :], mask=(m[:, None] < N) & (k[None, :] < H), other=0.0)
+                x = x.to(tl.float32)
+                ss += tl.sum(x * x, 1)
+            rstd = 1.0 / tl.sqrt(ss / H + eps)
         acc = tl.zeros((16, BLOCK_V), tl.float32)
         for k0 in tl.static_range(0, H, BLOCK_H):
             k = k0 + tl.arange(0, BLOCK_H)
             mk = (m[:, None] < N) & (k[None, :] < H)
             x = tl.load(X + m[:, None] * sxr + k[None, :], mask=mk, other=0.0).to(tl.float32)
-            x = tl.load(NW + k, mask=k < H, other=0.0).to(tl.float32)[None, :] * (x * rstd[:, None])
-            if pv == 0:
-                tl.store(NORMED + m[:, None] * snr + k[None, :], x.to(NORMED.dtype.element_ty), mask=mk)
+            if NORM:
+                x = tl.load(NW + k, mask=k < H, other=0.0).to(tl.float32)[None, :] * (x * rstd[:, None])
+                if pv == 0:
+                    tl.store(NORMED + m[:, None] * snr + k[None, :], x.to(NORMED.dtype.element_ty), mask=mk)
             w = tl.load(W + v[:, None].to(tl.int64) * swr + k[None, :], mask=(v[:, None] < V) & (k[None, :] < H),
                         other=0.0)
             wt = tl.trans(w)
@@ -332,8 +305,7 @@ def _kernels():
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
                                  tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
-                                 vocab_projection=vocab_projection_kernel,
-                                 norm_vocab_projection=norm_vocab_projection_kernel)
+                                 vocab_projection=vocab_projection_kernel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -563,24 +535,40 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     not serve (more than VOCAB_MAX_ROWS rows, other dtypes, fp16 weights, a gradient to carry): the caller projects
     as before.
     `config` overrides VOCAB_CONFIG's entries (a sweep)."""
-    h = x.shape[-1] if x.dim() else 0
     cfg = {**VOCAB_CONFIG, **(config or {})}
-    if (not ENABLED or not VOCAB or not available() or not served(x, weight) or x.dtype != torch.float32
-            or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.shape[1] != h
-            or weight.stride(1) != 1 or h == 0 or x.numel() == 0 or x.numel() // h > VOCAB_MAX_ROWS
-            or (cfg["split"] and weight.dtype != torch.bfloat16)  # fp16 parts of an fp32 would underflow
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):  # no backward here
+    if x.dtype != torch.float32 or not _serves(x, weight, cfg):
         return None
+    return _project(x, weight, cfg)[0]
+
+
+def _serves(x: torch.Tensor, weight: torch.Tensor, cfg: dict, *more: torch.Tensor) -> bool:
+    """Whether the vocabulary kernel serves rows x (..., H) against weight (V, H) (and `more` tensors it reads)."""
+    h = x.shape[-1] if x.dim() else 0
+    return not (not ENABLED or not VOCAB or not available() or not served(x, weight, *more)
+                or weight.dtype not in (torch.bfloat16, torch.float16) or weight.dim() != 2 or weight.shape[1] != h
+                or weight.stride(1) != 1 or h == 0 or x.numel() == 0 or x.numel() // h > VOCAB_MAX_ROWS
+                or (cfg["split"] and weight.dtype != torch.bfloat16)  # fp16 parts of an fp32 would underflow
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *more))))  # no backward here
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, cfg: dict, norm_weight: torch.Tensor | None = None,
+             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the vocabulary projection over x's rows (..., H): (logits (..., V) fp32, the normalized rows in x's
+    dtype when norm_weight is given, else None)."""
+    h = x.shape[-1]
     rows = x.reshape(-1, h)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     n, vocab = rows.shape[0], weight.shape[0]
     out = torch.empty(n, vocab, device=x.device, dtype=torch.float32)
+    normed = None if norm_weight is None else torch.empty(n, h, device=x.device, dtype=x.dtype)
     block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
     _kernels().vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
-        rows, weight, out, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
-        H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"], **pdl(x))
-    return out.view(*x.shape[:-1], vocab)
+        rows, rows if norm_weight is None else norm_weight, weight, out, rows if normed is None else normed, n, vocab,
+        rows.stride(0), weight.stride(0), out.stride(0), 0 if normed is None else normed.stride(0), eps,
+        H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], NORM=norm_weight is not None,
+        num_warps=cfg["w"], **pdl(x))
+    return out.view(*x.shape[:-1], vocab), None if normed is None else normed.view(x.shape)
 
 
 # True (FLASHSPEC_VOCAB_NORM=1; off until measured on the GPU): a low-precision model's final RMSNorm runs inside the
@@ -595,24 +583,8 @@ def norm_vocab_projection(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: 
     what `Transformer.forward` computes with torch ops (an fp32 norm, then `vocab_projection`): only the order of
     the fp32 sums differs. Every program normalizes its rows itself (they are a few KB). None for calls it does not
     serve (`VOCAB_NORM` off, and whatever `vocab_projection` declines)."""
-    h = hidden.shape[-1] if hidden.dim() else 0
     cfg = {**VOCAB_CONFIG, **(config or {})}
-    if (not VOCAB_NORM or not ENABLED or not VOCAB or not available() or not served(hidden, norm_weight, weight)
-            or hidden.dtype not in (torch.bfloat16, torch.float16) or weight.dtype not in (torch.bfloat16, torch.float16)
-            or weight.dim() != 2 or weight.shape[1] != h or weight.stride(1) != 1 or norm_weight.shape != (h,)
-            or not norm_weight.is_contiguous() or h == 0 or hidden.numel() == 0 or hidden.numel() // h > VOCAB_MAX_ROWS
-            or (cfg["split"] and weight.dtype != torch.bfloat16)
-            or (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad or norm_weight.requires_grad))):
+    if (not VOCAB_NORM or hidden.dtype not in (torch.bfloat16, torch.float16) or norm_weight.shape != hidden.shape[-1:]
+            or not norm_weight.is_contiguous() or not _serves(hidden, weight, cfg, norm_weight)):
         return None
-    rows = hidden.reshape(-1, h)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n, vocab = rows.shape[0], weight.shape[0]
-    out = torch.empty(n, vocab, device=hidden.device, dtype=torch.float32)
-    normed = torch.empty(n, h, device=hidden.device, dtype=hidden.dtype)
-    block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
-    _kernels().norm_vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
-        rows, norm_weight, weight, out, normed, n, vocab, rows.stride(0), weight.stride(0), out.stride(0),
-        normed.stride(0), eps, H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], num_warps=cfg["w"],
-        **pdl(hidden))
-    return out.view(*hidden.shape[:-1], vocab), normed.view(hidden.shape)
+    return _project(hidden, weight, cfg, norm_weight, eps)

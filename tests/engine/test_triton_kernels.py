@@ -326,7 +326,10 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
     attend, merge = ta._kernels()
     kernels = tk._kernels()
     cases = [
-        (kernels.vocab_projection, {"X": "*fp32", "W": "*bf16", "OUT": "*fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3)),
+        (kernels.vocab_projection, {"X": "*fp32", "NW": "*fp32", "W": "*bf16", "OUT": "*fp32", "NORMED": "*fp32",
+                                    "eps": "fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3, NORM=False)),
+        (kernels.vocab_projection, {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "OUT": "*fp32", "NORMED": "*bf16",
+                                    "eps": "fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3, NORM=True)),
         (attend, {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "M": "*u8", "O": "*fp32", "LSE": "*fp32", "ROWS": "*i64",
                   "POS": "*i64", "scale": "fp32"},
          dict(G=3, D=64, BLOCK_M=16, BLOCK_N=64, IEEE=False, SPLIT=True, HAS_ROWS=False, HAS_POS=True, BLOCK_T=2)),
@@ -334,8 +337,6 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
          dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
         (kernels.argmax_partial, {"X": "*fp32", "VAL": "*fp32", "IDX": "*i64"}, dict(BLOCK=2048)),
-        (kernels.norm_vocab_projection, {"X": "*bf16", "NW": "*bf16", "W": "*bf16", "OUT": "*fp32", "NORMED": "*bf16",
-                                         "eps": "fp32"}, dict(H=576, BLOCK_V=128, BLOCK_H=64, SPLIT=3)),
     ]
     for kernel, pointers, constants in cases:
         assert ptx(kernel, pointers, constants).count("griddepcontrol.wait") == 1, kernel
