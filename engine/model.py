@@ -414,8 +414,9 @@ class Transformer(nn.Module):
 
     def _project_vocab(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits of fp32 rows x (..., H) for a low-precision model: on the GPU one Triton launch reads the
-        16-bit lm_head weight as it is, with fp32 products and sums (`triton_kernels.vocab_projection`: half the
-        bytes); otherwise, or for calls of many rows, F.linear over an fp32 copy of the weight."""
+        16-bit lm_head weight as it is, each row cut into three bf16 parts, the products summed in fp32
+        (`triton_kernels.vocab_projection`: half the bytes); otherwise, or for calls of many rows, F.linear over an
+        fp32 copy of the weight."""
         logits = triton_kernels.vocab_projection(x, self.lm_head.weight)
         return logits if logits is not None else F.linear(x, self._lm_head_fp32())
 
