@@ -23,14 +23,13 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-from bench.gpu import capture_graph, cuda_ms
+from bench.gpu import cuda_ms, per_call_us
 
 
-def per_call_us(fn, reps: int = 20) -> tuple[float, str]:
-    """us a call: a CUDA graph of `reps` calls replayed, or eager calls when the capture fails."""
+def timed_us(fn) -> tuple[float, str]:
+    """us a call (`bench.gpu.per_call_us`: a CUDA graph of 20 calls), or of eager calls when the capture fails."""
     try:
-        graph = capture_graph(lambda: [fn() for _ in range(reps)])
-        return cuda_ms(graph.replay, 50) / reps * 1e3, "graph"
+        return per_call_us(fn), "graph"
     except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is timed eagerly, and said so
         torch.cuda.synchronize()
         return cuda_ms(fn, 200) * 1e3, f"eager ({type(exc).__name__})"
@@ -82,7 +81,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 row["flashinfer_first_call_s"] = round(time.perf_counter() - first, 1)
                 row["flashinfer_max_err"] = float(f"{(out.float().transpose(0, 1)[None] - ref).abs().max().item():.2g}")
-                row["flashinfer_us"], row["flashinfer_timed"] = per_call_us(fi)
+                row["flashinfer_us"], row["flashinfer_timed"] = timed_us(fi)
                 row["flashinfer_us"] = round(row["flashinfer_us"], 2)
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build or run is the finding
                 traceback.print_exc()
@@ -92,9 +91,9 @@ def main() -> int:
                 return triton_attention(q4, k4, v4, mask, positions=positions)
 
             row["triton_max_err"] = float(f"{(tri().float() - ref).abs().max().item():.2g}")
-            row["triton_us"] = round(per_call_us(tri)[0], 2)
+            row["triton_us"] = round(per_call_us(tri), 2)
             row["sdpa_us"] = round(per_call_us(lambda: F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask,
-                                                                                      enable_gqa=True))[0], 2)
+                                                                                      enable_gqa=True)), 2)
             print(json.dumps(row), flush=True)
     return 0
 

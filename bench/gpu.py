@@ -70,6 +70,12 @@ def cuda_ms(fn, iters: int = 50) -> float:
     return (time.perf_counter() - start) / iters * 1000
 
 
+def per_call_us(fn, reps: int = 20) -> float:
+    """us a call of fn, from a CUDA graph of `reps` calls replayed 50 times (one call alone is mostly launch)."""
+    graph = capture_graph(lambda: [fn() for _ in range(reps)])
+    return cuda_ms(graph.replay, 50) / reps * 1e3
+
+
 def capture_graph(fn, warmup: int = 3, debug: bool = False) -> torch.cuda.CUDAGraph:
     """fn captured as a CUDA graph, after `warmup` eager runs on a side stream (they compile the fused
     and Triton kernels for these shapes). `debug`: keep the graph's nodes for `graph_kernels`."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import capture_graph, count_kernels, cuda_ms
+from bench.gpu import capture_graph, count_kernels, cuda_ms, per_call_us
 from engine import triton_kernels, triton_layer
 
 
@@ -171,10 +171,6 @@ def attention_calls() -> None:
 
     from engine.triton_attention import triton_attention
 
-    def per_call_us(fn, reps: int = 20) -> float:
-        g = capture_graph(lambda: [fn() for _ in range(reps)])
-        return cuda_ms(g.replay, 50) / reps * 1e3
-
     shapes = ((1, 1, 704), (1, 6, 704), (1, 1, 2048), (1, 6, 2048), (8, 1, 768), (8, 6, 768), (8, 6, 2048), (64, 1, 1024))
     for b, t, s in shapes:
         q = torch.randn(b, 9, t, 64, device="cuda", dtype=torch.bfloat16)
@@ -198,10 +194,6 @@ def sampling_calls() -> None:
     engine.triton_kernels' one-launch kernels and as torch ops, on a round's shapes (the draft's 8,192-token
     sub-vocabulary, the verifier's 6 positions of 49,152, the residual over the whole vocabulary)."""
     from engine.sampling import processed_probs, sample_with
-
-    def per_call_us(fn, reps: int = 20) -> float:
-        g = capture_graph(lambda: [fn() for _ in range(reps)])
-        return cuda_ms(g.replay, 50) / reps * 1e3
 
     for what, shape, dtype in (("draft draw", (1, 8192), torch.bfloat16), ("draft draw", (8, 8192), torch.bfloat16),
                                ("verifier probs", (1, 6, 49152), torch.float32),
@@ -234,10 +226,6 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
     import itertools
 
     import torch.nn.functional as F
-
-    def per_call_us(fn, reps: int = 20) -> float:
-        g = capture_graph(lambda: [fn() for _ in range(reps)])
-        return cuda_ms(g.replay, 50) / reps * 1e3
 
     w = (0.05 * torch.randn(49152, 576, device="cuda")).to(torch.bfloat16)
     w32 = w.float()
@@ -330,11 +318,10 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
     ops = fused.make_ops(True)
     kern = ops.select(1)
 
-    def per_call_us(fn) -> float:
+    def served_call_us(fn) -> float:
         if fn() is None:  # a declined call launches nothing: its time would be the host's check alone
             raise RuntimeError("engine.triton_layer declined a sweep call (the GPU, dtype or shapes)")
-        graph = capture_graph(lambda: [fn() for _ in range(20)])
-        return cuda_ms(graph.replay, 50) * 1000 / 20
+        return per_call_us(fn)
 
     inputs = {}
     for n in rows:
@@ -351,7 +338,7 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
             _, hn = kern.add_rms_norm(x, delta, nw, 1e-5)
             return kern.silu_mul(torch.nn.functional.linear(hn, wg), inter)
 
-        base[n] = (per_call_us(qkv_sep), per_call_us(gate_sep))
+        base[n] = (served_call_us(qkv_sep), served_call_us(gate_sep))
     print(json.dumps({"separate_kernels_us": {n: [round(a, 2), round(b, 2)] for n, (a, b) in base.items()}}), flush=True)
     best, best_us = None, float("inf")
     saved, saved_rows = dict(triton_layer.CONFIG), triton_layer.MAX_ROWS
@@ -361,9 +348,9 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
         try:
             times = {}
             for n, (x, delta, cos, sin, pos) in inputs.items():
-                times[n] = (per_call_us(lambda: triton_layer.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc,
+                times[n] = (served_call_us(lambda: triton_layer.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc,
                                                                                 None, pos, hq, hkv)),
-                            per_call_us(lambda: triton_layer.norm_gate_up_silu(x, delta, nw, 1e-5, wg, inter)))
+                            served_call_us(lambda: triton_layer.norm_gate_up_silu(x, delta, nw, 1e-5, wg, inter)))
         except Exception as exc:  # noqa: BLE001 - a setting the compiler refuses (registers, shared memory)
             print(json.dumps({"config": dict(triton_layer.CONFIG), "error": f"{type(exc).__name__}: {exc}"[:200]}))
             continue

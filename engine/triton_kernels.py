@@ -341,8 +341,11 @@ def pdl(t: torch.Tensor) -> dict:
     before it, then lets the next one launch) and Triton's launch_pdl, both on where `PDL` is set and the GPU is a
     Hopper or later; PDL off otherwise (CPU tensors under Triton's interpreter included)."""
     if PDL and t.is_cuda and _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device()):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+        return _PDL_ON
+    return _PDL_OFF
+
+
+_PDL_ON, _PDL_OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # unpacked into launches, never changed
 
 
 def _row_args(rows, input_pos: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
@@ -528,7 +531,7 @@ def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None 
     half the bytes of the fp32 copy F.linear needs (113 MB for the default model's 49,152 x 576). Each x is cut
     into three bf16 parts whose sum is x to fp32's 24 bits; each part's product with the weight runs on the
     tensor cores, accumulated in fp32. A logit agrees with F.linear's over the fp32 copy to fp32 rounding of
-    its sum (at most 2e-5 apart at logits of a few units, H200 tests). A row's logits do not depend on the
+    its sum (within 5e-5 at logits of a few units in the H200 sweep). A row's logits do not depend on the
     other rows of its call: a decode step's row and the same row in a verify pass get the same bits, which
     cuBLAS's shape-dependent kernels do not promise. On the H200 (run 28) 22 against 33 us a decode step's
     projection, 23 against 56 us a 6-token verify pass's, 64 against 98 us at 48 rows. None for calls it does
