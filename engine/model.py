@@ -404,7 +404,7 @@ class Transformer(nn.Module):
         # and would make speculative and plain decoding disagree more than their hidden states do.
         fused = (triton_kernels.norm_vocab_projection(final, self.norm.weight, self.norm.eps, self.lm_head.weight)
                  if compute_logits else None)
-        if fused is not None:  # both in one launch on the GPU (FLASHSPEC_VOCAB_NORM=1)
+        if fused is not None:  # both in one launch on the GPU (FLASHSPEC_VOCAB_NORM, on by default)
             logits, normed = fused
             return ForwardOutput(hidden, normed, logits, captured)
         x = final.float()

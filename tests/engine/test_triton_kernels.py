@@ -225,6 +225,7 @@ from engine.config import ModelArgs
 from engine.model import Transformer
 
 tk.VOCAB_CONFIG["split"] = 0  # fp32 products: the interpreter's bf16 dot is wrong (the split products: tests/gpu)
+tk.VOCAB_NORM = False  # the projection alone first; the norm inside its launch below
 torch.manual_seed(0)
 w = (torch.randn(1000, 96) * 0.05).to(torch.bfloat16)  # not a multiple of the vocabulary block or the feature step
 x = torch.randn(20, 96)
@@ -254,11 +255,13 @@ with torch.no_grad():
     slow = model(tokens, torch.arange(5)[None].expand(2, 5)).logits
 assert fast.dtype == slow.dtype == torch.float32
 torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
-# the final norm inside the projection's launch (FLASHSPEC_VOCAB_NORM=1): the torch path's logits and final states
+# the final norm inside the projection's launch (FLASHSPEC_VOCAB_NORM, on by default): the torch path's logits and
+# final states
 tk.VOCAB = True
 hidden = (3 * torch.randn(2, 5, 64)).to(torch.bfloat16)
 norm_w = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
-assert tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight) is None  # off unless asked
+tk.VOCAB_NORM = False
+assert tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight) is None  # FLASHSPEC_VOCAB_NORM=0
 tk.VOCAB_NORM = True
 with torch.no_grad():
     logits, normed = tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight)
@@ -293,11 +296,12 @@ def test_vocab_launch_settings_from_the_environment_are_checked():
         assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])
 
 
-def test_programmatic_dependent_launch_is_off_unless_asked_and_on_a_hopper_gpu(monkeypatch):
+def test_programmatic_dependent_launch_only_where_asked_and_on_a_hopper_gpu(monkeypatch):
     import engine.triton_kernels as tk
 
-    assert tk.pdl(torch.zeros(1)) == {"PDL": False}  # the default: off
-    monkeypatch.setattr(tk, "PDL", True)
+    monkeypatch.setattr(tk, "PDL", False)  # FLASHSPEC_PDL=0
+    assert tk.pdl(torch.zeros(1)) == {"PDL": False}
+    monkeypatch.setattr(tk, "PDL", True)  # the default
     assert tk.pdl(torch.zeros(1)) == {"PDL": False}  # CPU tensors (Triton's interpreter): never
 
 

@@ -173,7 +173,7 @@ def test_vocab_projection_inside_a_cuda_graph_and_in_the_model():
     args = ModelArgs(model_type="llama", vocab_size=5000, hidden_size=64, intermediate_size=128, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=True)
     with torch.device("cuda"):
-        model = Transformer(args, max_seq_len=64).to(torch.bfloat16).eval()
+        model = Transformer(args, max_seq_len=64).to(torch.bfloat16).eval().requires_grad_(False)  # as served
     x = torch.randn(6, 64, device="cuda")
     out = model._project_vocab(x)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -182,6 +182,7 @@ def test_vocab_projection_inside_a_cuda_graph_and_in_the_model():
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, x @ model.lm_head.weight.float().T, rtol=1e-5, atol=1e-4)
+    assert getattr(model, "_lm_head_f32", None) is None  # the kernel served the call, not F.linear over a copy
     tokens = torch.randint(0, 5000, (1, 7), device="cuda")
     with torch.no_grad():
         model(tokens, torch.arange(7, device="cuda")[None])
