@@ -801,8 +801,9 @@ def main_table(bench: Bench, args) -> list[str]:
              + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}"
              + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}"
              + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}"
-             + f"; final norm {'in the projection (FLASHSPEC_VOCAB_NORM=1)' if triton_kernels.VOCAB_NORM else 'torch ops'}"
-             + f"; programmatic dependent launch {'on (FLASHSPEC_PDL=1)' if triton_kernels.PDL else 'off'}",
+             + f"; final norm {'in the projection' if triton_kernels.VOCAB_NORM else 'torch ops (FLASHSPEC_VOCAB_NORM=0)'}"
+             + f"; programmatic dependent launch {'on' if triton_kernels.PDL else 'off (FLASHSPEC_PDL=0)'}"
+             + f"; output/down projections {'Triton kernel (FLASHSPEC_PROJ_KERNEL=1)' if triton_layer.PROJ else 'cuBLAS'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

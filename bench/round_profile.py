@@ -4,6 +4,7 @@
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
     python -m bench.round_profile --sampling-calls         # sampling kernels against torch ops, per call
     python -m bench.round_profile --vocab-calls            # the vocabulary projection kernel's settings, per call
+    python -m bench.round_profile --proj-calls             # the output/down projection kernel against cuBLAS
     python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
@@ -258,6 +259,37 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
         finally:
             triton_kernels.VOCAB_NORM = saved
         print(json.dumps(row), flush=True)
+
+
+@torch.no_grad()
+def proj_calls(rows: tuple[int, ...] = (1, 6, 16)) -> None:
+    """A layer's output projection (576 -> 576) and down projection (1,536 -> 576) of a short step, bf16, in a CUDA
+    graph of 20 calls, us a call: cuBLAS (F.linear, what the fused path runs) against `triton_layer.project` in
+    each launch setting swept, with its largest difference from F.linear. A graph of 20 kernel calls chains them
+    with programmatic dependent launch where that is on (FLASHSPEC_PDL), as a layer's kernels chain."""
+    import itertools
+
+    import torch.nn.functional as F
+
+    saved, triton_layer.PROJ = triton_layer.PROJ, True
+    try:
+        for k_in, n in itertools.product((576, 1536), rows):
+            x = torch.randn(n, k_in, device="cuda").bfloat16()
+            w = (torch.randn(576, k_in, device="cuda") * k_in ** -0.5).bfloat16()
+            ref = F.linear(x, w)
+            row = {"in": k_in, "rows": n, "cublas_us": round(per_call_us(lambda: F.linear(x, w)), 2)}
+            for cols, step, warps in itertools.product((16, 32, 64), (256, 1024, 2048), (4, 8)):
+                cfg, key = {"n": cols, "k": step, "w": warps}, f"n={cols},k={step},w={warps}"
+                try:
+                    err = (triton_layer.project(x, w, cfg).float() - ref.float()).abs().max().item()
+                    row[key] = [round(per_call_us(lambda: triton_layer.project(x, w, cfg)), 2), float(f"{err:.2g}")]
+                except Exception as exc:  # noqa: BLE001 - a setting that does not compile (shared memory, registers)
+                    row[key] = type(exc).__name__
+            timed = {key: value[0] for key, value in row.items() if isinstance(value, list)}
+            row["best"] = min(timed, key=timed.get) if timed else None
+            print(json.dumps(row), flush=True)
+    finally:
+        triton_layer.PROJ = saved
 
 
 @torch.no_grad()
@@ -619,6 +651,8 @@ def main() -> None:
                         help="only the sampling calls (softmax, inverse-CDF draw), the Triton kernels against torch")
     parser.add_argument("--vocab-calls", action="store_true",
                         help="only the vocabulary projection, the Triton kernel's launch settings against F.linear in fp32")
+    parser.add_argument("--proj-calls", action="store_true",
+                        help="only the output and down projections, the Triton kernel's launch settings against cuBLAS")
     parser.add_argument("--kernel-table", action="store_true",
                         help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
@@ -664,6 +698,8 @@ def main() -> None:
         sampling_calls()
     elif args.vocab_calls:
         vocab_calls()
+    elif args.proj_calls:
+        proj_calls()
     elif args.kernel_table:
         kernel_table(args.attention)
     elif args.profiler_effect:

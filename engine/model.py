@@ -95,6 +95,13 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
     return ctx.backend(q, k, v, ctx.mask, positions)
 
 
+def short_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A bias-free projection of a short step's rows (N, K) as one Triton launch where `triton_layer.project`
+    serves it (FLASHSPEC_PROJ_KERNEL=1), else the module."""
+    out = triton_layer.project(x, linear.weight) if linear.bias is None else None
+    return out if out is not None else linear(x)
+
+
 class Attention(_FusableProjections):
     _fused_attr, _fused_parts = "qkv", ("q_proj", "k_proj", "v_proj")
 
@@ -128,13 +135,15 @@ class Attention(_FusableProjections):
         return self.attend(q, k, v, shape, ctx, cache_layer)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, shape: tuple[int, int],
-               ctx: "StepContext", cache_layer: int) -> torch.Tensor:
+               ctx: "StepContext", cache_layer: int, short: bool = False) -> torch.Tensor:
         """The rotated queries (N, Hq, D) over the cache (and the new k, v (B, Hkv, T, D) unless they are in
-        it already), then the output projection -> (N, H)."""
+        it already), then the output projection -> (N, H); `short`: a step the layer kernels take, whose
+        projection may too (`short_linear`)."""
         bsz, seqlen = shape
         q = q.view(bsz, seqlen, self.num_heads, self.head_dim).transpose(1, 2)  # (B, Hq, T, D)
         out = cached_attention(q, k, v, ctx, cache_layer)  # (B, Hq, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz * seqlen, -1))
+        out = out.transpose(1, 2).reshape(bsz * seqlen, -1)
+        return short_linear(self.o_proj, out) if short else self.o_proj(out)
 
     def norm_project_rope(self, x: torch.Tensor, delta: torch.Tensor | None, norm: "RMSNorm", shape: tuple[int, int],
                           ctx: "StepContext", cache_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -228,7 +237,7 @@ class DecoderLayer(nn.Module):
         done = attn.norm_project_rope(x, delta, ln1, shape, ctx, cache_layer) if short else None
         if done is not None:  # one kernel up to the attention (engine/triton_layer.py)
             x, q = done
-            a = attn.attend(q, None, None, shape, ctx, cache_layer)
+            a = attn.attend(q, None, None, shape, ctx, cache_layer, short=True)
         else:
             if delta is None:
                 h = kernels.rms_norm(x, ln1.weight, ln1.eps)
@@ -239,7 +248,7 @@ class DecoderLayer(nn.Module):
                 if short and mlp.gate_up.bias is None else None)
         if done is not None:  # one kernel from the residual add to SiLU(gate) * up
             x, act = done
-            return x, mlp.down_proj(act)
+            return x, short_linear(mlp.down_proj, act)
         x, h = kernels.add_rms_norm(x, a, ln2.weight, ln2.eps)
         return x, mlp.forward_fused(h, kernels)
 

@@ -12,7 +12,12 @@ of at most `MAX_ROWS` token rows; the model calls them for batch-1 steps only, s
   projection and SiLU(gate) * up. One program per block of intermediate columns computes both its gate
   and its up columns. It replaces `add_rms_norm`, the gate|up GEMM and `silu_mul`.
 
-The attention kernel, the output projection and the down projection stay as they were. Inside a CUDA
+A third, `project` (off until measured on the GPU: FLASHSPEC_PROJ_KERNEL=1), runs the output and down projections
+of those steps in place of cuBLAS's GEMM: one program per 16 output columns, the whole reduction in one step
+where it fits, the weight read before the kernel waits for the one before it (programmatic dependent launch),
+so that every kernel of a short step's layer is a Triton launch the chain of dependent launches runs through.
+
+The attention kernel stays as it was. Inside a CUDA
 graph a short step of a small model costs its kernels' latencies one after another; these cut the
 default model's decode step from 320 kernels to 200. On the H200 (bench/RESULTS.md, run 24) that is
 0.945 -> 0.903 ms a decode step and 1.004 -> 0.978 ms a 6-token verify pass: each kernel takes 6-7 us,
@@ -65,11 +70,22 @@ def _config(text: str) -> dict[str, int]:
 CONFIG = _config(os.environ.get("FLASHSPEC_LAYER_CONFIG", ""))
 
 
+# The output and down projections of a short step (`project`) as a Triton launch in place of cuBLAS's: off until
+# measured on the GPU (FLASHSPEC_PROJ_KERNEL=1 turns it on). With every kernel of a layer a Triton launch, programmatic
+# dependent launch chains all of them (a cuBLAS GEMM breaks the chain twice a layer), and each projection reads
+# its weight before it waits for the kernel before it.
+PROJ = os.environ.get("FLASHSPEC_PROJ_KERNEL", "0") == "1"
+# n = output columns per program, k = features per step of the reduction (the whole row at once where it fits),
+# w = warps, s = software pipeline stages; FLASHSPEC_PROJ_CONFIG="n=32,w=8" overrides some.
+PROJ_CONFIG = launch_config("FLASHSPEC_PROJ_CONFIG", os.environ.get("FLASHSPEC_PROJ_CONFIG", ""),
+                            {"n": 16, "k": 2048, "w": 4, "s": 1}, {"n": 16, "k": 16, "w": 1})
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     from engine import triton_layer_kernels as k
 
-    return k.norm_qkv_rope_kernel, k.norm_gate_up_kernel
+    return k.norm_qkv_rope_kernel, k.norm_gate_up_kernel, k.project_kernel
 
 
 def _block_m(n: int) -> int:
@@ -163,3 +179,27 @@ def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: 
         K=hidden, INTER=inter, BLOCK_M=_block_m(n), BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
         HAS_DELTA=delta is not None, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
     return res, out
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:
+    """x (N, K) @ weight.T for weight (N_out, K) without a bias -> (N, N_out) in x's dtype, accumulated in fp32
+    and rounded once, as cuBLAS's GEMM rounds it (only the order of the fp32 sums differs): the output and down
+    projections of a short step. Every call runs the same 16-row tile, so a row's output does not depend on the
+    rows sharing its call. None for calls it does not serve (`PROJ` off, more rows than `MAX_ROWS`, a strided
+    weight, mixed or fp32 dtypes on the GPU, a gradient to carry): the caller runs F.linear. `config` overrides
+    PROJ_CONFIG's entries (a sweep)."""
+    if not (PROJ and _usable(x, weight)):
+        return None
+    cfg = {**PROJ_CONFIG, **(config or {})}
+    n = x.shape[0] if x.dim() == 2 else 0
+    if (not 0 < n <= MAX_ROWS or weight.dim() != 2 or weight.shape[1] != x.shape[1] or x.stride(1) != 1
+            or weight.stride(1) != 1 or not _dtype_ok(x, weight)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    k, n_out = x.shape[1], weight.shape[0]
+    out = torch.empty(n, n_out, device=x.device, dtype=x.dtype)
+    _kernels()[2][(-(-n_out // cfg["n"]),)](
+        x, weight, out, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, N=n_out, BLOCK_M=_block_m(n), BLOCK_N=cfg["n"], BLOCK_K=min(cfg["k"], max(16, 1 << (k - 1).bit_length())),
+        num_warps=cfg["w"], num_stages=cfg["s"], **pdl(x))
+    return out

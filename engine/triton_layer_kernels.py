@@ -126,3 +126,27 @@ def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, s
     act = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # SiLU, rounded as F.silu's
     tl.store(OUT + m[:, None] * som + c[None, :], (act * up).to(OUT.dtype.element_ty),
              mask=mask_m[:, None] & mask_c[None, :])
+
+@triton.jit
+def project_kernel(X, W, OUT, M, sxm, swn, som, K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Program n: output columns n*BLOCK_N.. of x @ w.T for every row. The weight's first BLOCK_K features are
+    read before the wait for the kernel before (a constant; with BLOCK_K >= K, all of this program's weight)."""
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_c = c < N
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(W + c[:, None] * swn + k[None, :], mask=mask_c[:, None] & (k[None, :] < K), other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    m = tl.arange(0, BLOCK_M)
+    mask_m = m < M
+    x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mk = k[None, :] < K
+        w = tl.load(W + c[:, None] * swn + k[None, :], mask=mask_c[:, None] & mk, other=0.0)
+        x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mask_m[:, None] & mk, other=0.0)
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(OUT + m[:, None] * som + c[None, :], acc.to(OUT.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])

@@ -341,6 +341,11 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
          dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
         (kernels.argmax_partial, {"X": "*fp32", "VAL": "*fp32", "IDX": "*i64"}, dict(BLOCK=2048)),
+        (lk.project_kernel, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16"},
+         dict(K=1536, N=576, BLOCK_M=16, BLOCK_N=16, BLOCK_K=2048)),
     ]
     for kernel, pointers, constants in cases:
         assert ptx(kernel, pointers, constants).count("griddepcontrol.wait") == 1, kernel
+    # The projection reads its weight (a constant) before it waits for the kernel before it.
+    code = ptx(*cases[-1])
+    assert -1 < code.find("ld.global") < code.find("griddepcontrol.wait")

@@ -20,6 +20,7 @@ from engine import triton_layer as TL
 from engine.fused import add_rms_norm, rms_norm, silu_mul
 from engine.rope import apply_rope_qk
 torch.manual_seed(0)
+TL.PROJ = True  # the output and down projections (FLASHSPEC_PROJ_KERNEL=1)
 H, HQ, HKV, D, R, S, I = 96, 3, 1, 32, 10, 40, 80  # H: not a multiple of the kernels' 64-feature steps
 for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
     for b, t, rows, with_delta in ((1, 1, None, True), (1, 5, slice(2, 3), False), (2, 3, torch.tensor([7, 1]), True),
@@ -53,11 +54,24 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         res2, act = TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)
         assert torch.equal(res2, res)
         torch.testing.assert_close(act, silu_mul(F.linear(h, wg), I), atol=tol, rtol=tol)
+        wd = (torch.randn(72, I) / I ** 0.5).to(dtype)  # 72 outputs: not a multiple of a program's 16 columns
+        for cfg in (None, {"k": 32, "n": 32}):  # the whole row in one step; three steps of 32 (and a ragged one)
+            y = TL.project(act, wd, cfg)
+            assert y.dtype == dtype and y.shape == (n, 72)
+            torch.testing.assert_close(y, F.linear(act, wd), atol=tol, rtol=tol)
+            for i in (0, n - 1):  # a row's output does not depend on the rows sharing its call
+                assert torch.equal(TL.project(act[i : i + 1], wd, cfg), y[i : i + 1]), (n, i, cfg)
 # What it does not serve: a projection of other heads, more rows than MAX_ROWS, a gate|up of another width.
 assert TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc, rows, pos, HQ + 1, HKV) is None
 big = torch.randn(TL.MAX_ROWS + 1, H, dtype=dtype)  # more rows than it serves
 assert TL.norm_gate_up_silu(big, None, nw, 1e-5, wg, I) is None
 assert TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I + 1) is None
+assert TL.project(big[:, :I].contiguous(), wd) is None  # more rows than MAX_ROWS
+assert TL.project(act, wd[:, ::2]) is None and TL.project(act, wd[:, : I - 1]) is None  # strided, other width
+assert TL.project(act, wd.double()) is None and TL.project(act.float(), wd.half()) is None  # mixed dtypes
+assert TL.project(act.float().requires_grad_(), wd.float()) is None  # a gradient to carry: F.linear's
+TL.PROJ = False
+assert TL.project(act, wd) is None  # off: FLASHSPEC_PROJ_KERNEL unset
 print("ok")
 """
 
@@ -78,7 +92,8 @@ ref = Transformer(args, max_seq_len=64).eval()
 model = copy.deepcopy(ref)
 ref.fuse_for_inference(compile=False), model.fuse_for_inference(compile=False)
 calls = []
-for name in ("norm_qkv_rope_write", "norm_gate_up_silu"):
+TL.PROJ = True
+for name in ("norm_qkv_rope_write", "norm_gate_up_silu", "project"):
     real = getattr(TL, name)
     setattr(TL, name, lambda *a, real=real, name=name: (lambda out: calls.append((name, out is not None)) or out)(real(*a)))
 caches = [m.new_cache(4, 64) for m in (ref, model)]
@@ -100,7 +115,8 @@ with torch.no_grad():
         if tokens.shape[1] > 16 or tokens.shape[0] > 1:
             assert took == [], took  # a prefill, or a batch of more than one, runs the separate kernels
         else:
-            assert took == [("norm_qkv_rope_write", True), ("norm_gate_up_silu", True)] * 3, took
+            assert took == [("norm_qkv_rope_write", True), ("project", True), ("norm_gate_up_silu", True),
+                            ("project", True)] * 3, took
         for layer in range(3):
             torch.testing.assert_close(caches[1].k[layer], caches[0].k[layer], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(caches[1].v[layer], caches[0].v[layer], atol=1e-5, rtol=1e-5)
@@ -119,3 +135,19 @@ def test_launch_settings_parse_and_refuse_what_the_kernels_cannot_run():
                        ("s=0", "stages"), ("w=three", "one of k=")):
         with pytest.raises(ValueError, match=words):
             triton_layer._config(bad)
+
+
+def test_projection_launch_settings_from_the_environment_are_checked():
+    import os
+    import subprocess
+    import sys
+
+    def load(value: str) -> subprocess.CompletedProcess:
+        code = "import engine.triton_layer as t; print(t.PROJ_CONFIG, t.PROJ)"
+        env = {**os.environ, "FLASHSPEC_PROJ_CONFIG": value, "FLASHSPEC_PROJ_KERNEL": "1"}
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    assert load("n=32, w=8").stdout.strip() == "{'n': 32, 'k': 2048, 'w': 8, 's': 1} True"
+    for bad, words in (("n=8", "power of two >= 16"), ("k=100", "power of two"), ("q=2", "one of n=")):
+        done = load(bad)
+        assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])

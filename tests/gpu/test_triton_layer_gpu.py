@@ -83,10 +83,42 @@ def test_layer_kernels_inside_a_cuda_graph():
     assert kc[0, :, 60:66].any()
 
 
-def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
+@pytest.mark.parametrize("n", [1, 6, 16])
+@pytest.mark.parametrize("k_in", [H, I])  # the output projection (576 -> 576) and the down projection (1,536 -> 576)
+def test_projection_kernel_against_cublas_in_bf16(monkeypatch, n, k_in):
+    monkeypatch.setattr(triton_layer, "PROJ", True)
+    g = torch.Generator(device="cuda").manual_seed(n + k_in)
+    x = torch.randn(n, k_in, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(H, k_in, device="cuda", generator=g) * k_in ** -0.5).to(torch.bfloat16)
+    want = F.linear(x, w)
+    for cfg in (None, {"k": 256, "n": 32, "w": 8}):
+        got = triton_layer.project(x, w, cfg)
+        assert got.dtype == torch.bfloat16 and got.shape == (n, H)
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)  # a bf16 unit or so: the sums' order
+        for i in range(n):  # a row's output does not depend on the rows sharing its call
+            assert torch.equal(triton_layer.project(x[i : i + 1], w, cfg), got[i : i + 1]), (i, cfg)
+    assert triton_layer.project(torch.randn(17, k_in, device="cuda").bfloat16(), w) is None  # past MAX_ROWS
+
+
+def test_projection_kernel_inside_a_cuda_graph(monkeypatch):
+    monkeypatch.setattr(triton_layer, "PROJ", True)
+    x = torch.randn(6, I, device="cuda").bfloat16()
+    w = (torch.randn(H, I, device="cuda") * I ** -0.5).bfloat16()
+    triton_layer.project(x, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_layer.project(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, triton_layer.project(x, w))
+
+
+@pytest.mark.parametrize("proj", [False, True])
+def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj):
     """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short batch-1 step takes both kernels on
-    each layer, the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA
-    graphs give eager's tokens, plain decoding and speculative rounds alike."""
+    each layer (and, with FLASHSPEC_PROJ_KERNEL=1, the projection kernel for the output and down projections),
+    the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs give
+    eager's tokens, plain decoding and speculative rounds alike."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
     from engine.config import ModelArgs
@@ -105,7 +137,8 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     model.fuse_for_inference(compile=True)
     calls = []
-    for name in ("norm_qkv_rope_write", "norm_gate_up_silu"):
+    monkeypatch.setattr(triton_layer, "PROJ", proj)
+    for name in ("norm_qkv_rope_write", "norm_gate_up_silu", "project"):
         real = getattr(triton_layer, name)
         monkeypatch.setattr(triton_layer, name,
                             lambda *a, real=real, name=name: (lambda out: calls.append(out is not None) or out)(real(*a)))
@@ -113,7 +146,7 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch):
     tokens, pos = torch.tensor([[5, 6, 7, 8, 9, 10]], device="cuda"), torch.arange(40, 46, device="cuda")[None]
     with torch.no_grad():
         got = model(tokens, pos, cache=cache, kv_len=64).logits.float()
-        assert calls == [True] * 8, calls
+        assert calls == ([True] * 16 if proj else [True, False, True, False] * 4), calls
         monkeypatch.setattr(triton_layer, "ENABLED", False)
         want = model(tokens, pos, cache=model.new_cache(1, 512), kv_len=64).logits.float()
         monkeypatch.setattr(triton_layer, "ENABLED", True)
