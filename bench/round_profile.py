@@ -396,7 +396,7 @@ def layer_sweep(rows: tuple[int, ...] = (1, 6, 48), out: str | None = None) -> d
     if best is None:
         raise SystemExit("bench.round_profile --layer-sweep: no launch setting ran (see the errors above)")
     line = ",".join(f"{key}={value}" for key, value in best.items())
-    print(json.dumps({"best": line, "sum_to_6_us": round(best_us, 2),
+    print(json.dumps({"best": line, "prefetch": triton_layer.PREFETCH, "sum_to_6_us": round(best_us, 2),
                       "separate_sum_to_6_us": round(sum(a + b for n, (a, b) in base.items() if n <= 6), 2)}), flush=True)
     if out:
         Path(out).write_text(line + "\n")

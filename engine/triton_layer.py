@@ -16,6 +16,8 @@ A third, `project` (off until measured on the GPU: FLASHSPEC_PROJ_KERNEL=1), run
 of those steps in place of cuBLAS's GEMM: one program per 16 output columns, the whole reduction in one step
 where it fits, the weight read before the kernel waits for the one before it (programmatic dependent launch),
 so that every kernel of a short step's layer is a Triton launch the chain of dependent launches runs through.
+With FLASHSPEC_LAYER_PREFETCH=1 (also off until measured) the two layer kernels read their weight's first
+features before that wait too.
 
 The attention kernel stays as it was. Inside a CUDA
 graph a short step of a small model costs its kernels' latencies one after another; these cut the
@@ -75,6 +77,10 @@ CONFIG = _config(os.environ.get("FLASHSPEC_LAYER_CONFIG", ""))
 # dependent launch chains all of them (a cuBLAS GEMM breaks the chain twice a layer), and each projection reads
 # its weight before it waits for the kernel before it.
 PROJ = os.environ.get("FLASHSPEC_PROJ_KERNEL", "0") == "1"
+# The two layer kernels read their weight's first k features before they wait for the kernel before them (with
+# programmatic dependent launch that read overlaps the kernel before; the sums are the same, in the same order).
+# Off until measured on the GPU: FLASHSPEC_LAYER_PREFETCH=1.
+PREFETCH = os.environ.get("FLASHSPEC_LAYER_PREFETCH", "0") == "1"
 # n = output columns per program, k = features per step of the reduction (the whole row at once where it fits),
 # w = warps, s = software pipeline stages; FLASHSPEC_PROJ_CONFIG="n=32,w=8" overrides some.
 PROJ_CONFIG = launch_config("FLASHSPEC_PROJ_CONFIG", os.environ.get("FLASHSPEC_PROJ_CONFIG", ""),
@@ -155,7 +161,8 @@ def norm_qkv_rope_write(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
         n, eps, x.stride(0), dd.stride(0), res.stride(0), w_qkv.stride(0), *cos.stride(), *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
         K=hidden, HQ=heads, HKV=kv_heads, D=d, BLOCK_M=_block_m(n), BLOCK_K=_block_k(hidden), COLS=cols,
-        HAS_DELTA=delta is not None, HAS_ROWS=has_rows, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
+        HAS_DELTA=delta is not None, HAS_ROWS=has_rows, PREFETCH=PREFETCH, num_warps=CONFIG["w"], num_stages=CONFIG["s"],
+        **pdl(x))
     return res, q
 
 
@@ -177,7 +184,7 @@ def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: 
         x, dd, res, norm_weight, w_gate_up, out, n, eps, x.stride(0), dd.stride(0), res.stride(0),
         w_gate_up.stride(0), out.stride(0),
         K=hidden, INTER=inter, BLOCK_M=_block_m(n), BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
-        HAS_DELTA=delta is not None, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
+        HAS_DELTA=delta is not None, PREFETCH=PREFETCH, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
     return res, out
 
 

@@ -43,22 +43,32 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
                          sckr, sckh, scks, sckd, scvr, scvh, scvs, scvd, spb, spt,
                          K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                         HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+                         HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program (h, c): columns c*COLS.. of both halves of head h of q|k|v (queries, then keys, then values)
-    for every row: a half's column pairs with the same column of the other half under RoPE."""
-    if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
-        gdc_wait()
-        gdc_launch_dependents()
+    for every row: a half's column pairs with the same column of the other half under RoPE. PREFETCH: the
+    weight's first BLOCK_K features are read before the wait for the kernel before (the same sums, in the same
+    order)."""
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // COLS
     head = tl.program_id(0) // PARTS
+    j = (tl.program_id(0) % PARTS) * COLS + tl.arange(0, COLS)
+    if PREFETCH:
+        k = tl.arange(0, BLOCK_K)
+        w_lo0 = tl.load(W + (head * D + j)[:, None] * swn + k[None, :], mask=k[None, :] < K, other=0.0)
+        w_hi0 = tl.load(W + (head * D + HALF + j)[:, None] * swn + k[None, :], mask=k[None, :] < K, other=0.0)
+    if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
+        gdc_wait()
+        gdc_launch_dependents()
     m = tl.arange(0, BLOCK_M)
     mask_m = m < M
     rstd = _rstd(X, DELTA, RES, m, mask_m, sxm, sdm, srm, eps, tl.program_id(0) == 0, K, BLOCK_M, BLOCK_K, HAS_DELTA)
-    j = (tl.program_id(0) % PARTS) * COLS + tl.arange(0, COLS)
     lo = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
     hi = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PREFETCH:
+        a = _normalized(X, DELTA, NW, m, mask_m, 0, sxm, sdm, rstd, K, BLOCK_K, HAS_DELTA)
+        lo += tl.dot(a, tl.trans(w_lo0))
+        hi += tl.dot(a, tl.trans(w_hi0))
+    for k0 in range(BLOCK_K if PREFETCH else 0, K, BLOCK_K):
         a = _normalized(X, DELTA, NW, m, mask_m, k0, sxm, sdm, rstd, K, BLOCK_K, HAS_DELTA)
         k = k0 + tl.arange(0, BLOCK_K)
         mk = k[None, :] < K
@@ -100,20 +110,31 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
 @triton.jit
 def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, som,
                         K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = False):
-    """Program n: intermediate columns n*BLOCK_N.. of SiLU(gate) * up for every row."""
+                        BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = False,
+                        PREFETCH: tl.constexpr = False):
+    """Program n: intermediate columns n*BLOCK_N.. of SiLU(gate) * up for every row. PREFETCH as
+    norm_qkv_rope_kernel's."""
+    pid = tl.program_id(0)
+    c = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_c = c < INTER
+    if PREFETCH:
+        k = tl.arange(0, BLOCK_K)
+        mk = mask_c[:, None] & (k[None, :] < K)
+        w_g0 = tl.load(W + c[:, None] * swn + k[None, :], mask=mk, other=0.0)
+        w_u0 = tl.load(W + (INTER + c)[:, None] * swn + k[None, :], mask=mk, other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    pid = tl.program_id(0)
     m = tl.arange(0, BLOCK_M)
     mask_m = m < M
     rstd = _rstd(X, DELTA, RES, m, mask_m, sxm, sdm, srm, eps, pid == 0, K, BLOCK_M, BLOCK_K, HAS_DELTA)
-    c = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_c = c < INTER
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    if PREFETCH:
+        a = _normalized(X, DELTA, NW, m, mask_m, 0, sxm, sdm, rstd, K, BLOCK_K, HAS_DELTA)
+        gate += tl.dot(a, tl.trans(w_g0))
+        up += tl.dot(a, tl.trans(w_u0))
+    for k0 in range(BLOCK_K if PREFETCH else 0, K, BLOCK_K):
         a = _normalized(X, DELTA, NW, m, mask_m, k0, sxm, sdm, rstd, K, BLOCK_K, HAS_DELTA)
         k = k0 + tl.arange(0, BLOCK_K)
         mk = mask_c[:, None] & (k[None, :] < K)

@@ -340,12 +340,21 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
         (merge, {"P": "*fp32", "LSE": "*fp32", "O": "*bf16"}, dict(D=64, SP=16)),
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
          dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
+        (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
+         dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True, PREFETCH=True)),
         (kernels.argmax_partial, {"X": "*fp32", "VAL": "*fp32", "IDX": "*i64"}, dict(BLOCK=2048)),
+        (lk.norm_qkv_rope_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "COS", "SIN", "QO", "KC", "VC")}
+         | {"ROWS": "*i64", "POS": "*i64", "eps": "fp32"},
+         dict(K=576, HQ=9, HKV=3, D=64, BLOCK_M=16, BLOCK_K=128, COLS=32, HAS_DELTA=True, HAS_ROWS=False, PREFETCH=True)),
         (lk.project_kernel, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16"},
          dict(K=1536, N=576, BLOCK_M=16, BLOCK_N=16, BLOCK_K=2048)),
     ]
     for kernel, pointers, constants in cases:
         assert ptx(kernel, pointers, constants).count("griddepcontrol.wait") == 1, kernel
-    # The projection reads its weight (a constant) before it waits for the kernel before it.
-    code = ptx(*cases[-1])
-    assert -1 < code.find("ld.global") < code.find("griddepcontrol.wait")
+    # The projection, and a layer kernel with PREFETCH, read weight (a constant) before they wait for the kernel
+    # before them; without PREFETCH nothing is read before the wait.
+    for case in (cases[-1], cases[-2], cases[-4]):
+        code = ptx(*case)
+        assert -1 < code.find("ld.global") < code.find("griddepcontrol.wait"), case[0]
+    code = ptx(*cases[-5])
+    assert code.find("griddepcontrol.wait") < code.find("ld.global")

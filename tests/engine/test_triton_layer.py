@@ -54,6 +54,17 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         res2, act = TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)
         assert torch.equal(res2, res)
         torch.testing.assert_close(act, silu_mul(F.linear(h, wg), I), atol=tol, rtol=tol)
+        # The weight's first features read before the wait (FLASHSPEC_LAYER_PREFETCH=1): the same bits, whether the
+        # whole row is one step (k=128) or three (k=32)
+        for step in (128, 32):
+            TL.CONFIG["k"] = step
+            outs = []
+            for TL.PREFETCH in (False, True):
+                kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+                outs.append((*TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc2, vc2, rows, pos, HQ, HKV), kc2,
+                             vc2, *TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)))
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), (dtype, n, step)
+        TL.CONFIG["k"], TL.PREFETCH = 128, False
         wd = (torch.randn(72, I) / I ** 0.5).to(dtype)  # 72 outputs: not a multiple of a program's 16 columns
         for cfg in (None, {"k": 32, "n": 32}):  # the whole row in one step; three steps of 32 (and a ragged one)
             y = TL.project(act, wd, cfg)

@@ -53,6 +53,24 @@ def test_layer_kernels_equal_the_separate_kernels_in_bf16(rows, b, t):
         assert (got == want).float().mean() > 0.9, (got == want).float().mean()
 
 
+@pytest.mark.parametrize("step", [128, 1024])  # five steps of the reduction, or one
+def test_weight_read_before_the_wait_gives_the_same_bits(monkeypatch, step):
+    """FLASHSPEC_LAYER_PREFETCH=1: the layer kernels read their weight's first features before waiting for the
+    kernel before them (programmatic dependent launch, on by default on Hopper): the same sums in the same order."""
+    inp = _inputs(6, torch.bfloat16, 11)
+    pos = torch.arange(10, 16, device="cuda")[None]
+    monkeypatch.setitem(triton_layer.CONFIG, "k", step)
+    outs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(triton_layer, "PREFETCH", prefetch)
+        kc = torch.zeros(1, HKV, S, D, device="cuda", dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        res, q = triton_layer.norm_qkv_rope_write(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["w"], inp["cos"],
+                                                  inp["sin"], kc, vc, None, pos, HQ, HKV)
+        outs.append((res, q, kc, vc, *triton_layer.norm_gate_up_silu(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["wg"], I)))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def test_a_bs_8_verify_pass_takes_the_separate_kernels():
     """48 rows: no launch setting beat the separate kernels there on the H200 (run 24)."""
     inp = _inputs(48, torch.bfloat16, 3)
