@@ -4,7 +4,7 @@
     python -m bench.round_profile --attention-calls        # SDPA against the Triton kernel, per split count
     python -m bench.round_profile --sampling-calls         # sampling kernels against torch ops, per call
     python -m bench.round_profile --vocab-calls            # the vocabulary projection kernel's settings, per call
-    python -m bench.round_profile --proj-calls             # the output/down projection kernel against cuBLAS
+    python -m bench.round_profile --proj-calls [OUT]       # the output/down projection kernel against cuBLAS
     python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
@@ -262,15 +262,19 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
 
 
 @torch.no_grad()
-def proj_calls(rows: tuple[int, ...] = (1, 6, 16)) -> None:
+def proj_calls(rows: tuple[int, ...] = (1, 6, 16), out: str | None = None) -> str | None:
     """A layer's output projection (576 -> 576) and down projection (1,536 -> 576) of a short step, bf16, in a CUDA
     graph of 20 calls, us a call: cuBLAS (F.linear, what the fused path runs) against `triton_layer.project` in
     each launch setting swept, with its largest difference from F.linear. A graph of 20 kernel calls chains them
-    with programmatic dependent launch where that is on (FLASHSPEC_PDL), as a layer's kernels chain."""
+    with programmatic dependent launch where that is on (FLASHSPEC_PDL), as a layer's kernels chain. Prints the
+    setting with the least time summed over both projections at 1 and 6 rows (bs 1 decode and verify steps);
+    `out` gets it as FLASHSPEC_PROJ_CONFIG's value."""
     import itertools
 
     import torch.nn.functional as F
 
+    totals: dict[str, list[float]] = {}
+    cases = 0
     saved, triton_layer.PROJ = triton_layer.PROJ, True
     try:
         for k_in, n in itertools.product((576, 1536), rows):
@@ -288,8 +292,20 @@ def proj_calls(rows: tuple[int, ...] = (1, 6, 16)) -> None:
             timed = {key: value[0] for key, value in row.items() if isinstance(value, list)}
             row["best"] = min(timed, key=timed.get) if timed else None
             print(json.dumps(row), flush=True)
+            if n <= 6:
+                cases += 1
+                for key, us in timed.items():
+                    totals.setdefault(key, []).append(us)
     finally:
         triton_layer.PROJ = saved
+    complete = {key: sum(times) for key, times in totals.items() if len(times) == cases}  # timed at every size
+    if not complete:
+        return None
+    best = min(complete, key=complete.get)
+    print(json.dumps({"best": best, "sum_to_6_us": round(complete[best], 2)}), flush=True)
+    if out:
+        Path(out).write_text(best + "\n")
+    return best
 
 
 @torch.no_grad()
@@ -651,8 +667,9 @@ def main() -> None:
                         help="only the sampling calls (softmax, inverse-CDF draw), the Triton kernels against torch")
     parser.add_argument("--vocab-calls", action="store_true",
                         help="only the vocabulary projection, the Triton kernel's launch settings against F.linear in fp32")
-    parser.add_argument("--proj-calls", action="store_true",
-                        help="only the output and down projections, the Triton kernel's launch settings against cuBLAS")
+    parser.add_argument("--proj-calls", default=None, metavar="OUT", nargs="?", const="",
+                        help="only the output and down projections, the Triton kernel's launch settings against cuBLAS "
+                             "(the best written to OUT)")
     parser.add_argument("--kernel-table", action="store_true",
                         help="only the decode step's CUDA kernels by type, engine.triton_kernels off and on")
     parser.add_argument("--engine-graphs", choices=("long", "short"), default=None,
@@ -698,8 +715,8 @@ def main() -> None:
         sampling_calls()
     elif args.vocab_calls:
         vocab_calls()
-    elif args.proj_calls:
-        proj_calls()
+    elif args.proj_calls is not None:
+        proj_calls(out=args.proj_calls or None)
     elif args.kernel_table:
         kernel_table(args.attention)
     elif args.profiler_effect:
