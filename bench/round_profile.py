@@ -218,6 +218,19 @@ def sampling_calls() -> None:
         print(json.dumps(row), flush=True)
 
 
+def setting_us(call, ref: torch.Tensor) -> list[float] | str:
+    """One launch setting of a swept kernel: [us a call (`per_call_us`), its largest difference from `ref`], or why
+    it has no time: "declined" (the call returned None, launching nothing) or the error's name (a setting that
+    does not compile: shared memory, registers)."""
+    try:
+        out = call()
+        if out is None:
+            return "declined"
+        return [round(per_call_us(call), 2), float(f"{(out.float() - ref.float()).abs().max().item():.2g}")]
+    except Exception as exc:  # noqa: BLE001 - the sweep goes on, and says which setting failed
+        return type(exc).__name__
+
+
 @torch.no_grad()
 def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
     """The target's vocabulary projection (49,152 x 576, fp32 rows) in a CUDA graph of 20 calls, us a call: F.linear
@@ -237,12 +250,7 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
         # fp32 products once (4-6x slower than cuBLAS in run 28), the bf16 split around run 28's best (v=128, w=4)
         for split, v, warps in [(0, 64, 4), *itertools.product((3,), (64, 128, 256), (2, 4, 8))]:
             cfg = {"split": split, "v": v, "w": warps}
-            try:
-                err = (triton_kernels.vocab_projection(x, w, cfg) - ref).abs().max().item()
-                row[f"split={split},v={v},w={warps}"] = [round(per_call_us(lambda: triton_kernels.vocab_projection(x, w, cfg)), 2),
-                                                        float(f"{err:.2g}")]
-            except Exception as exc:  # a setting that does not compile (shared memory, registers): skipped, said
-                row[f"split={split},v={v},w={warps}"] = type(exc).__name__
+            row[f"split={split},v={v},w={warps}"] = setting_us(lambda: triton_kernels.vocab_projection(x, w, cfg), ref)
         # the model's final step: its fp32 RMSNorm in torch ops then the kernel, against both in one launch
         hidden, norm_w = (3 * torch.randn(n, 576, device="cuda")).bfloat16(), torch.ones(576, device="cuda").bfloat16()
 
@@ -283,12 +291,8 @@ def proj_calls(rows: tuple[int, ...] = (1, 6, 16), out: str | None = None) -> st
             ref = F.linear(x, w)
             row = {"in": k_in, "rows": n, "cublas_us": round(per_call_us(lambda: F.linear(x, w)), 2)}
             for cols, step, warps in itertools.product((16, 32, 64), (256, 1024, 2048), (4, 8)):
-                cfg, key = {"n": cols, "k": step, "w": warps}, f"n={cols},k={step},w={warps}"
-                try:
-                    err = (triton_layer.project(x, w, cfg).float() - ref.float()).abs().max().item()
-                    row[key] = [round(per_call_us(lambda: triton_layer.project(x, w, cfg)), 2), float(f"{err:.2g}")]
-                except Exception as exc:  # noqa: BLE001 - a setting that does not compile (shared memory, registers)
-                    row[key] = type(exc).__name__
+                cfg = {"n": cols, "k": step, "w": warps}
+                row[f"n={cols},k={step},w={warps}"] = setting_us(lambda: triton_layer.project(x, w, cfg), ref)
             timed = {key: value[0] for key, value in row.items() if isinstance(value, list)}
             row["best"] = min(timed, key=timed.get) if timed else None
             print(json.dumps(row), flush=True)

@@ -498,11 +498,6 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
 # fp32 copy of its lm_head with F.linear, for A/B runs (bench.round_profile --vocab-calls, --no-vocab-kernel)
 VOCAB = os.environ.get("FLASHSPEC_VOCAB_KERNEL", "1") != "0"
 VOCAB_MAX_ROWS = 64  # rows a call may have: decode, draft and verify steps and a prefill's last positions
-# Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 3 (three bf16
-# tensor-core products) or 0 (fp32 products on the CUDA cores: 4-6x slower than cuBLAS on the H200, kept as the
-# path Triton's CPU interpreter can run, whose bf16 dot is wrong). The default is the H200 sweep's best
-# (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
-VOCAB_CONFIG = {"v": 128, "h": 64, "w": 4, "split": 3}
 
 
 def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_two: dict[str, int]) -> dict[str, int]:
@@ -521,8 +516,12 @@ def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_
     return config
 
 
-VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""), VOCAB_CONFIG,
-                             {"v": 16, "h": 16, "w": 1})
+# Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 3 (three bf16
+# tensor-core products) or 0 (fp32 products on the CUDA cores: 4-6x slower than cuBLAS on the H200, kept as the
+# path Triton's CPU interpreter can run, whose bf16 dot is wrong). The default is the H200 sweep's best
+# (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
+VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""),
+                             {"v": 128, "h": 64, "w": 4, "split": 3}, {"v": 16, "h": 16, "w": 1})
 if VOCAB_CONFIG["split"] not in (0, 3):
     raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: split={VOCAB_CONFIG['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
 

@@ -250,3 +250,15 @@ def test_kernel_diff_keeps_what_differs_and_signs_it(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "-1 kernels, +0.007 ms of kernel time in all"
     assert len(lines) == 3 and "mask_and" in lines[1] and "argmax" in lines[2]  # the two largest by time
+
+
+def test_a_swept_setting_without_a_time_says_why():
+    """bench.round_profile's sweeps (--vocab-calls, --proj-calls): a declined call or a failing setting is said, not
+    timed (a declined call launches nothing: its time would be the host's check alone)."""
+    from bench.round_profile import setting_us
+
+    def fails():
+        raise RuntimeError("out of shared memory")
+
+    assert setting_us(lambda: None, torch.zeros(1)) == "declined"
+    assert setting_us(fails, torch.zeros(1)) == "RuntimeError"

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (engine.triton_kernels.pdl, FLASHSPEC_PDL=1) on the GPU: every engine kernel gives
+"""Programmatic dependent launch (engine.triton_kernels.pdl; on by default, FLASHSPEC_PDL=0 turns it off) on the GPU: every engine kernel gives
 the same bits with it as without, alone and inside CUDA graphs, and a fused bf16 engine the same tokens, plain and
 speculative, greedy and sampled. Skipped without CUDA, triton or a Hopper-or-later GPU."""
 
