@@ -97,7 +97,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
 
 def short_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A bias-free projection of a short step's rows (N, K) as one Triton launch where `triton_layer.project`
-    serves it (FLASHSPEC_PROJ_KERNEL=1), else the module."""
+    serves it (on unless FLASHSPEC_PROJ_KERNEL=0), else the module."""
     out = triton_layer.project(x, linear.weight) if linear.bias is None else None
     return out if out is not None else linear(x)
 

@@ -82,7 +82,7 @@ assert TL.project(act, wd[:, ::2]) is None and TL.project(act, wd[:, : I - 1]) i
 assert TL.project(act, wd.double()) is None and TL.project(act.float(), wd.half()) is None  # mixed dtypes
 assert TL.project(act.float().requires_grad_(), wd.float()) is None  # a gradient to carry: F.linear's
 TL.PROJ = False
-assert TL.project(act, wd) is None  # off: FLASHSPEC_PROJ_KERNEL unset
+assert TL.project(act, wd) is None  # off: FLASHSPEC_PROJ_KERNEL=0
 print("ok")
 """
 
@@ -153,12 +153,14 @@ def test_projection_launch_settings_from_the_environment_are_checked():
     import subprocess
     import sys
 
-    def load(value: str) -> subprocess.CompletedProcess:
+    def load(value: str, switch: str | None = None) -> subprocess.CompletedProcess:
         code = "import engine.triton_layer as t; print(t.PROJ_CONFIG, t.PROJ)"
-        env = {**os.environ, "FLASHSPEC_PROJ_CONFIG": value, "FLASHSPEC_PROJ_KERNEL": "1"}
+        env = {key: v for key, v in os.environ.items() if key != "FLASHSPEC_PROJ_KERNEL"}
+        env.update({"FLASHSPEC_PROJ_CONFIG": value, **({"FLASHSPEC_PROJ_KERNEL": switch} if switch else {})})
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
-    assert load("n=32, w=8").stdout.strip() == "{'n': 32, 'k': 2048, 'w': 8, 's': 1} True"
+    assert load("n=32, w=8").stdout.strip() == "{'n': 32, 'k': 2048, 'w': 8, 's': 1} True"  # on by default
+    assert load("", "0").stdout.strip() == "{'n': 16, 'k': 2048, 'w': 4, 's': 1} False"  # FLASHSPEC_PROJ_KERNEL=0
     for bad, words in (("n=8", "power of two >= 16"), ("k=100", "power of two"), ("q=2", "one of n=")):
         done = load(bad)
         assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])
