@@ -798,7 +798,8 @@ def main_table(bench: Bench, args) -> list[str]:
     lines = [f"setup: {setup_line('cuda', 0)}; {torch.cuda.get_device_name()}; SmolLM2-135M-Instruct bf16; "
              f"prompts {args.prompts} (long cells max(bs, {args.long_prompts}) requests, short cells max(bs, {args.short_prompts}))" + (f"; engine rows: median of {args.passes} measured passes" if args.passes > 1 else "")
              + (f" ({args.short_passes} in the short cells)" if args.short_passes else "")
-             + f"; layer kernels {'on' if triton_layer.ENABLED else 'off (FLASHSPEC_LAYER_KERNELS=0)'}"
+             + (f"; layer kernels on, up to {triton_layer.MAX_ROWS} rows a step (FLASHSPEC_LAYER_ROWS)"
+                if triton_layer.ENABLED else "; layer kernels off (FLASHSPEC_LAYER_KERNELS=0)")
              + f"; sampling kernels {'on' if triton_kernels.SAMPLING else 'off (FLASHSPEC_SAMPLING_KERNELS=0)'}"
              + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}"
              + f"; final norm {'in the projection' if triton_kernels.VOCAB_NORM else 'torch ops (FLASHSPEC_VOCAB_NORM=0)'}"

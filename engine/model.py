@@ -228,12 +228,13 @@ class DecoderLayer(nn.Module):
         kernels = self.ops.select(shape[1])
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
-        # The layer kernels (engine/triton_layer.py) take batch-1 decode, draft and verify steps, not a prefill.
-        # Batch 1 only: then every short step of a request runs the same kernels, so its speculative rounds
-        # and its plain decoding round alike; at batch 8 the decode steps (8 rows) would take them and the
-        # verify passes (48 rows, past triton_layer.MAX_ROWS) would not, and greedy tokens then differed
-        # between the two in bf16 (bench/RESULTS.md, run 24).
-        short = shape[0] == 1 and shape[1] <= self.ops.max_compiled_tokens
+        # The layer kernels (engine/triton_layer.py) take decode, draft and verify steps, not a prefill, and only
+        # for a batch all of whose short steps they serve (batch 1 by default; triton_layer.MAX_ROWS): then
+        # every short step of a request runs the same kernels, so its speculative rounds and its plain decoding
+        # round alike. Where a batch's decode steps (8 rows) took them and its verify passes (48 rows) did not,
+        # greedy tokens differed between the two in bf16 (bench/RESULTS.md, run 24).
+        short = (shape[1] <= self.ops.max_compiled_tokens
+                 and shape[0] * self.ops.max_compiled_tokens <= triton_layer.MAX_ROWS)
         done = attn.norm_project_rope(x, delta, ln1, shape, ctx, cache_layer) if short else None
         if done is not None:  # one kernel up to the attention (engine/triton_layer.py)
             x, q = done

@@ -1,5 +1,5 @@
 """Two Triton kernels that do most of a fused decoder layer's short step (decode, draft and verify steps
-of at most `MAX_ROWS` token rows; the model calls them for batch-1 steps only, see
+of at most `MAX_ROWS` token rows; the model calls them for batch-1 steps by default (MAX_ROWS), see
 `DecoderLayer.forward_fused`) in two launches instead of six:
 
 * `norm_qkv_rope_write`: the residual add, the input RMSNorm, the q|k|v projection, RoPE on q and k, and
@@ -26,7 +26,7 @@ default model's decode step from 320 kernels to 200. On the H200 (bench/RESULTS.
 about what the three it replaces took together (7.3 and 5.8 us), so the gain is the launches and gaps
 saved, not the arithmetic. The projections' weights are read by few programs (15 for q|k|v, 48 for
 gate|up), each streaming 74 KB; a split of the reduction over more programs is the next thing to try.
-At 48 rows no launch setting beat the separate kernels: `MAX_ROWS`.
+At 48 rows (one 64-row tile then) no launch setting beat the separate kernels: `MAX_ROWS`.
 
 The arithmetic is the fused path's, rounding for rounding: the residual sum rounded to the model's
 dtype, fp32 statistics, the normalized row rounded before the weight multiplies it, the projections
@@ -51,10 +51,27 @@ import torch
 from engine.triton_kernels import _row_args, available, launch_config, pdl, served
 
 ENABLED = os.environ.get("FLASHSPEC_LAYER_KERNELS", "1") != "0"
-# Token rows (batch x tokens per row) a call may have. Up to 16 every call runs the same 16-row tile; on the
-# H200 both kernels beat the separate ones at 1 and 6 rows (bs 1 decode and verify steps; bs 8 decode steps
-# run that tile too, not timed) and no setting did at 48 (a bs 8 verify pass; bench/RESULTS.md, run 24).
-MAX_ROWS = 16
+# Every program computes one tile of TILE_ROWS token rows (grid axis 1 over the tiles), so a row's output does not
+# depend on how many rows share its call: a batch's decode steps, draft steps and verify passes round alike.
+TILE_ROWS = 16
+
+
+def _max_rows(text: str) -> int:
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"FLASHSPEC_LAYER_ROWS={text!r}: expected a positive number of token rows, e.g. 16 or 128")
+    return rows
+
+
+# Token rows (batch x tokens per row) a call may have. The model gives the kernels a batch's short steps only
+# where every one of them fits (DecoderLayer.forward_fused): by default (16) batch 1, whose steps the H200 runs
+# faster with them (bench/RESULTS.md, runs 24 and 30). FLASHSPEC_LAYER_ROWS=128 serves batches up to 8 too
+# (8 rows x 16 tokens a step); not yet measured in a batch. Run 24 found one 64-row tile slower than the
+# separate kernels at 48 rows (10.1 against 6.9 us for q|k|v); a 48-row call is now three 16-row tiles side by side.
+MAX_ROWS = _max_rows(os.environ.get("FLASHSPEC_LAYER_ROWS", "16"))
 
 
 def _config(text: str) -> dict[str, int]:
@@ -96,8 +113,8 @@ def _kernels():
     return k.norm_qkv_rope_kernel, k.norm_gate_up_kernel, k.project_kernel
 
 
-def _block_m(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())  # tl.dot's smallest tile is 16 rows
+def _tiles(n: int) -> int:
+    return -(-n // TILE_ROWS)  # tl.dot's smallest tile is 16 rows
 
 
 def _block_k(hidden: int) -> int:
@@ -158,11 +175,11 @@ def norm_qkv_rope_write(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
     q = torch.empty(n, heads, d, device=x.device, dtype=x.dtype)
     row_ptr, row0, has_rows = _row_args(rows, input_pos)
     cols = min(CONFIG["c"], d // 2)
-    _kernels()[0][((heads + 2 * kv_heads) * (d // 2 // cols),)](
+    _kernels()[0][((heads + 2 * kv_heads) * (d // 2 // cols), _tiles(n))](
         x, dd, res, norm_weight, w_qkv, cos, sin, q, k_cache, v_cache, row_ptr, input_pos, row0, t, k_cache.shape[2],
         n, eps, x.stride(0), dd.stride(0), res.stride(0), w_qkv.stride(0), *cos.stride(), *q.stride(),
         *k_cache.stride(), *v_cache.stride(), *input_pos.stride(),
-        K=hidden, HQ=heads, HKV=kv_heads, D=d, BLOCK_M=_block_m(n), BLOCK_K=_block_k(hidden), COLS=cols,
+        K=hidden, HQ=heads, HKV=kv_heads, D=d, BLOCK_M=TILE_ROWS, BLOCK_K=_block_k(hidden), COLS=cols,
         HAS_DELTA=delta is not None, HAS_ROWS=has_rows, PREFETCH=PREFETCH, num_warps=CONFIG["w"], num_stages=CONFIG["s"],
         **pdl(x))
     return res, q
@@ -182,10 +199,10 @@ def norm_gate_up_silu(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: 
     n, hidden = x.shape
     res, dd = _residual_outputs(x, delta)
     out = torch.empty(n, inter, device=x.device, dtype=x.dtype)
-    _kernels()[1][(-(-inter // CONFIG["g"]),)](
+    _kernels()[1][(-(-inter // CONFIG["g"]), _tiles(n))](
         x, dd, res, norm_weight, w_gate_up, out, n, eps, x.stride(0), dd.stride(0), res.stride(0),
         w_gate_up.stride(0), out.stride(0),
-        K=hidden, INTER=inter, BLOCK_M=_block_m(n), BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
+        K=hidden, INTER=inter, BLOCK_M=TILE_ROWS, BLOCK_N=CONFIG["g"], BLOCK_K=_block_k(hidden),
         HAS_DELTA=delta is not None, PREFETCH=PREFETCH, num_warps=CONFIG["w"], num_stages=CONFIG["s"], **pdl(x))
     return res, out
 
@@ -207,8 +224,8 @@ def project(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -
         return None
     k, n_out = x.shape[1], weight.shape[0]
     out = torch.empty(n, n_out, device=x.device, dtype=x.dtype)
-    _kernels()[2][(-(-n_out // cfg["n"]),)](
+    _kernels()[2][(-(-n_out // cfg["n"]), _tiles(n))](
         x, weight, out, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, N=n_out, BLOCK_M=_block_m(n), BLOCK_N=cfg["n"], BLOCK_K=min(cfg["k"], max(16, 1 << (k - 1).bit_length())),
+        K=k, N=n_out, BLOCK_M=TILE_ROWS, BLOCK_N=cfg["n"], BLOCK_K=min(cfg["k"], max(16, 1 << (k - 1).bit_length())),
         num_warps=cfg["w"], num_stages=cfg["s"], **pdl(x))
     return out

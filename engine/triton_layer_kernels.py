@@ -44,8 +44,8 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
                          K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr, HAS_DELTA: tl.constexpr,
                          HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
-    """Program (h, c): columns c*COLS.. of both halves of head h of q|k|v (queries, then keys, then values)
-    for every row: a half's column pairs with the same column of the other half under RoPE. PREFETCH: the
+    """Program (h, c, r): columns c*COLS.. of both halves of head h of q|k|v (queries, then keys, then values)
+    for the rows of tile r (grid axis 1): a half's column pairs with the same column of the other half under RoPE. PREFETCH: the
     weight's first BLOCK_K features are read before the wait for the kernel before (the same sums, in the same
     order)."""
     HALF: tl.constexpr = D // 2
@@ -59,7 +59,7 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
     if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
         gdc_wait()
         gdc_launch_dependents()
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's tile of rows
     mask_m = m < M
     rstd = _rstd(X, DELTA, RES, m, mask_m, sxm, sdm, srm, eps, tl.program_id(0) == 0, K, BLOCK_M, BLOCK_K, HAS_DELTA)
     lo = tl.zeros([BLOCK_M, COLS], dtype=tl.float32)
@@ -112,7 +112,7 @@ def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, s
                         K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, HAS_DELTA: tl.constexpr, PDL: tl.constexpr = False,
                         PREFETCH: tl.constexpr = False):
-    """Program n: intermediate columns n*BLOCK_N.. of SiLU(gate) * up for every row. PREFETCH as
+    """Program (n, r): intermediate columns n*BLOCK_N.. of SiLU(gate) * up for the rows of tile r. PREFETCH as
     norm_qkv_rope_kernel's."""
     pid = tl.program_id(0)
     c = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +125,7 @@ def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, s
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's tile of rows
     mask_m = m < M
     rstd = _rstd(X, DELTA, RES, m, mask_m, sxm, sdm, srm, eps, pid == 0, K, BLOCK_M, BLOCK_K, HAS_DELTA)
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -151,7 +151,7 @@ def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, s
 @triton.jit
 def project_kernel(X, W, OUT, M, sxm, swn, som, K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Program n: output columns n*BLOCK_N.. of x @ w.T for every row. The weight's first BLOCK_K features are
+    """Program (n, r): output columns n*BLOCK_N.. of x @ w.T for the rows of tile r. The weight's first BLOCK_K features are
     read before the wait for the kernel before (a constant; with BLOCK_K >= K, all of this program's weight)."""
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_c = c < N
@@ -160,7 +160,7 @@ def project_kernel(X, W, OUT, M, sxm, swn, som, K: tl.constexpr, N: tl.constexpr
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    m = tl.arange(0, BLOCK_M)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's tile of rows
     mask_m = m < M
     x = tl.load(X + m[:, None] * sxm + k[None, :], mask=mask_m[:, None] & (k[None, :] < K), other=0.0)
     acc = tl.dot(x, tl.trans(w))

@@ -20,11 +20,13 @@ from engine import triton_layer as TL
 from engine.fused import add_rms_norm, rms_norm, silu_mul
 from engine.rope import apply_rope_qk
 torch.manual_seed(0)
-TL.PROJ = True  # the output and down projections (FLASHSPEC_PROJ_KERNEL=1)
+TL.PROJ = True  # the output and down projections (on by default)
+TL.MAX_ROWS = 64  # batches too (FLASHSPEC_LAYER_ROWS=64)
 H, HQ, HKV, D, R, S, I = 96, 3, 1, 32, 10, 40, 80  # H: not a multiple of the kernels' 64-feature steps
 for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
     for b, t, rows, with_delta in ((1, 1, None, True), (1, 5, slice(2, 3), False), (2, 3, torch.tensor([7, 1]), True),
-                                   (8, 2, torch.randperm(R)[:8], True)):  # 16 rows: MAX_ROWS
+                                   (8, 2, torch.randperm(R)[:8], True),  # 16 rows: one tile
+                                   (5, 8, torch.randperm(R)[:5], True)):  # 40 rows: three tiles, the last ragged
         n = b * t
         x = torch.randn(n, H).to(dtype)
         delta = torch.randn(n, H).to(dtype) if with_delta else None
@@ -54,6 +56,14 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
         res2, act = TL.norm_gate_up_silu(x, delta, nw, 1e-5, wg, I)
         assert torch.equal(res2, res)
         torch.testing.assert_close(act, silu_mul(F.linear(h, wg), I), atol=tol, rtol=tol)
+        for i in sorted({0, n // 2, n - 1}):  # a row's bits do not depend on the rows (or tiles) sharing its call
+            one = slice(i, i + 1)
+            d1 = None if delta is None else delta[one]
+            kc1, vc1 = torch.zeros_like(kc), torch.zeros_like(vc)
+            _, q1 = TL.norm_qkv_rope_write(x[one], d1, nw, 1e-5, w, cos[one], sin[one], kc1, vc1,
+                                           r[i // t : i // t + 1].clone(), pos[i // t : i // t + 1, i % t : i % t + 1], HQ, HKV)
+            assert torch.equal(q1, q[one]), (dtype, n, i)
+            assert torch.equal(TL.norm_gate_up_silu(x[one], d1, nw, 1e-5, wg, I)[1], act[one]), (dtype, n, i)
         # The weight's first features read before the wait (FLASHSPEC_LAYER_PREFETCH=1): the same bits, whether the
         # whole row is one step (k=128) or three (k=32)
         for step in (128, 32):
@@ -113,8 +123,12 @@ steps = [(prompt[:, :18], torch.arange(18)[None], slice(2, 3)),  # prefill: the 
          (torch.tensor([[30]]), torch.tensor([[18]]), slice(2, 3)),  # a decode step
          (torch.tensor([[31, 32, 33, 34, 35, 36]]), torch.arange(19, 25)[None], torch.tensor([2])),  # a verify pass
          (torch.tensor([[40], [41]]), torch.tensor([[25], [3]]), torch.tensor([2, 0]))]  # batch 2: the separate kernels
+# FLASHSPEC_LAYER_ROWS=32 serves batch 2 (2 rows x 16 tokens): its decode step and its verify pass alike
+steps += [(torch.tensor([[42], [43]]), torch.tensor([[26], [4]]), torch.tensor([2, 0]), 32),
+          (torch.tensor([[44, 45, 46], [47, 48, 49]]), torch.tensor([[27, 28, 29], [5, 6, 7]]), torch.tensor([2, 0]), 32)]
 with torch.no_grad():
-    for tokens, pos, rows in steps:
+    for tokens, pos, rows, *max_rows in steps:
+        TL.MAX_ROWS = max_rows[0] if max_rows else 16
         calls.clear()
         TL.ENABLED = True
         got = model(tokens, pos, cache=caches[1], rows=rows, kv_len=32).logits
@@ -123,8 +137,8 @@ with torch.no_grad():
         want = ref(tokens, pos, cache=caches[0], rows=rows, kv_len=32).logits
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
-        if tokens.shape[1] > 16 or tokens.shape[0] > 1:
-            assert took == [], took  # a prefill, or a batch of more than one, runs the separate kernels
+        if tokens.shape[1] > 16 or tokens.shape[0] * 16 > TL.MAX_ROWS:
+            assert took == [], took  # a prefill, or a batch whose steps do not all fit, runs the separate kernels
         else:
             assert took == [("norm_qkv_rope_write", True), ("project", True), ("norm_gate_up_silu", True),
                             ("project", True)] * 3, took
@@ -160,6 +174,12 @@ def test_projection_launch_settings_from_the_environment_are_checked():
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
     assert load("n=32, w=8").stdout.strip() == "{'n': 32, 'k': 2048, 'w': 8, 's': 1} True"  # on by default
+    rows = {**os.environ, "FLASHSPEC_LAYER_ROWS": "128"}
+    code = "import engine.triton_layer as t; print(t.MAX_ROWS)"
+    assert subprocess.run([sys.executable, "-c", code], env=rows, capture_output=True, text=True).stdout.strip() == "128"
+    done = subprocess.run([sys.executable, "-c", code], env={**rows, "FLASHSPEC_LAYER_ROWS": "eight"},
+                          capture_output=True, text=True)
+    assert done.returncode != 0 and "FLASHSPEC_LAYER_ROWS='eight'" in done.stderr and "e.g. 16 or 128" in done.stderr
     assert load("", "0").stdout.strip() == "{'n': 16, 'k': 2048, 'w': 4, 's': 1} False"  # FLASHSPEC_PROJ_KERNEL=0
     for bad, words in (("n=8", "power of two >= 16"), ("k=100", "power of two"), ("q=2", "one of n=")):
         done = load(bad)

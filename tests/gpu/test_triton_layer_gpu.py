@@ -131,21 +131,36 @@ def test_projection_kernel_inside_a_cuda_graph(monkeypatch):
     assert torch.equal(out, triton_layer.project(x, w))
 
 
-@pytest.mark.parametrize("proj", [False, True])
-def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj):
-    """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short batch-1 step takes both kernels on
-    each layer (and, with FLASHSPEC_PROJ_KERNEL=1, the projection kernel for the output and down projections),
-    the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs give
-    eager's tokens, plain decoding and speculative rounds alike."""
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
+def test_a_row_s_bits_do_not_depend_on_the_tiles_beside_it(monkeypatch):
+    """48 rows (a bs 8 verify pass; FLASHSPEC_LAYER_ROWS=128): three tiles of 16 rows, each row's bits those of
+    the same row alone in its call, for the q|k|v, gate|up and projection kernels."""
+    monkeypatch.setattr(triton_layer, "MAX_ROWS", 128)
+    monkeypatch.setattr(triton_layer, "PROJ", True)
+    b, t = 8, 6
+    n = b * t
+    t_in = _inputs(n, torch.bfloat16, 7)
+    pos = (100 + torch.arange(t, device="cuda"))[None].repeat(b, 1)
+    rows = torch.arange(b, device="cuda")
+    kc, vc = (torch.zeros(b, HKV, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x, delta, nw = t_in["x"], t_in["delta"], t_in["nw"]
+    _, q = triton_layer.norm_qkv_rope_write(x, delta, nw, 1e-5, t_in["w"], t_in["cos"], t_in["sin"], kc, vc, rows, pos, HQ, HKV)
+    _, act = triton_layer.norm_gate_up_silu(x, delta, nw, 1e-5, t_in["wg"], I)
+    wd = (torch.randn(H, I, device="cuda") * I ** -0.5).bfloat16()
+    y = triton_layer.project(act, wd)
+    for i in (0, 17, 40, n - 1):
+        one = slice(i, i + 1)
+        _, q1 = triton_layer.norm_qkv_rope_write(x[one], delta[one], nw, 1e-5, t_in["w"], t_in["cos"][one], t_in["sin"][one],
+                                                 kc.clone(), vc.clone(), rows[i // t : i // t + 1], pos[:1, i % t : i % t + 1],
+                                                 HQ, HKV)
+        assert torch.equal(q1, q[one]), i
+        assert torch.equal(triton_layer.norm_gate_up_silu(x[one], delta[one], nw, 1e-5, t_in["wg"], I)[1], act[one]), i
+        assert torch.equal(triton_layer.project(act[one], wd), y[one]), i
+
+
+def _tiny_target():
+    """A 4-layer bf16 model of SmolLM2's layer shape, fused, without gradients (as served)."""
     from engine.config import ModelArgs
-    from engine.fused import fuse_for_inference
-    from engine.generate import generate
     from engine.model import Transformer
-    from engine.sampling import SamplingParams
-    from engine.scheduler import DecodeEngine
-    from engine.speculative import SpecConfig
 
     torch.manual_seed(0)
     args = ModelArgs(model_type="llama", vocab_size=512, hidden_size=H, intermediate_size=I, num_layers=4,
@@ -154,6 +169,64 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj
         model = Transformer(args, max_seq_len=512)
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     model.fuse_for_inference(compile=True)
+    return model
+
+
+def _tiny_draft(model):
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.fused import fuse_for_inference
+
+    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep"))
+    draft.init_from_target()
+    draft = draft.to(torch.bfloat16)
+    fuse_for_inference(draft, compile=True)
+    return draft
+
+
+def test_a_batch_takes_them_where_all_its_steps_fit_and_speculation_gives_plain_decoding_s_tokens(monkeypatch):
+    """FLASHSPEC_LAYER_ROWS=128: a batch of 4 runs its decode steps (4 rows) and its verify passes (24 rows) on the
+    layer and projection kernels, so in bf16 its greedy speculative tokens are plain decoding's, with graphs and
+    without."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    monkeypatch.setattr(triton_layer, "MAX_ROWS", 128)
+    model = _tiny_target()
+    draft = _tiny_draft(model)
+    served = []
+    real = triton_layer.norm_gate_up_silu
+    monkeypatch.setattr(triton_layer, "norm_gate_up_silu",
+                        lambda x, *a: (lambda out: served.append((x.shape[0], out is not None)) or out)(real(x, *a)))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33]]
+    params = SamplingParams(max_new_tokens=24, eos_token_ids=())
+    outs = {}
+    for graphs in (False, True):
+        for name, d in (("ar", None), ("spec", "d")):
+            eng = DecodeEngine(model, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
+            eng.add_draft("d", draft)
+            served.clear()
+            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+            if not graphs:  # eager: every call is seen (a graph replays what it captured)
+                assert any(n > 1 and ok for n, ok in served), served
+                assert all(ok for n, ok in served if n <= 64), served  # every short step served; prefills are not
+    assert outs[(True, "ar")] == outs[(False, "ar")] == outs[(False, "spec")] == outs[(True, "spec")]
+
+
+@pytest.mark.parametrize("proj", [False, True])
+def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj):
+    """A 4-layer bf16 model of SmolLM2's layer shape, fused: every short batch-1 step takes both kernels on
+    each layer (and, with FLASHSPEC_PROJ_KERNEL=1, the projection kernel for the output and down projections),
+    the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs give
+    eager's tokens, plain decoding and speculative rounds alike."""
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    model = _tiny_target()
     calls = []
     monkeypatch.setattr(triton_layer, "PROJ", proj)
     for name in ("norm_qkv_rope_write", "norm_gate_up_silu", "project"):
@@ -170,16 +243,13 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj
         monkeypatch.setattr(triton_layer, "ENABLED", True)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
-    draft = DraftModel(model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied", feature_input="deep"))
-    draft.init_from_target()
-    draft = draft.to(torch.bfloat16)
-    fuse_for_inference(draft, compile=True)
+    draft = _tiny_draft(model)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
     params = SamplingParams(max_new_tokens=24, eos_token_ids=())
     outs = {}
     for graphs in (False, True):
         for name, d in (("ar", None), ("spec", "d")):
-            # Batch 1: the layer kernels serve batch-1 steps only (engine/model.py).
+            # Batch 1: by default the layer kernels serve batch-1 steps only (engine/model.py).
             eng = DecodeEngine(model, None, max_batch_size=1, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
             eng.add_draft("d", draft)
             outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
