@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from bench.ar import setup_line
-from engine import triton_kernels, triton_layer
+from engine import triton_attention, triton_kernels, triton_layer
 from engine.attention import BACKENDS
 
 
@@ -804,7 +804,8 @@ def main_table(bench: Bench, args) -> list[str]:
              + f"; vocabulary projection {'16-bit weight kernel' if triton_kernels.VOCAB else 'fp32 copy (FLASHSPEC_VOCAB_KERNEL=0)'}"
              + f"; final norm {'in the projection' if triton_kernels.VOCAB_NORM else 'torch ops (FLASHSPEC_VOCAB_NORM=0)'}"
              + f"; programmatic dependent launch {'on' if triton_kernels.PDL else 'off (FLASHSPEC_PDL=0)'}"
-             + f"; output/down projections {'Triton kernel' if triton_layer.PROJ else 'cuBLAS (FLASHSPEC_PROJ_KERNEL=0)'}",
+             + f"; output/down projections {'Triton kernel' if triton_layer.PROJ else 'cuBLAS (FLASHSPEC_PROJ_KERNEL=0)'}"
+             + f"; attention splits merged {'by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)' if triton_attention.INLINE_MERGE else 'by a merge kernel'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

@@ -11,7 +11,9 @@ is a large share of the step. This kernel does the whole call in one launch:
 * the visibility mask is read as it is (any mask: causal by position, deep-draft windows, padding);
 * online softmax in fp32 over blocks of the cache (flash-decoding), each split writing a partial
   result and its log-sum-exp; a small second kernel merges the splits (one program per output row, all
-  splits at once; one split: no merge kernel).
+  splits at once; one split: no merge kernel). With FLASHSPEC_ATTN_INLINE_MERGE=1 (off until measured on
+  the GPU) there is no second kernel: each (row, KV head)'s last split program to finish, found by a
+  count in global memory, merges that group's splits itself.
 
 Queries whose mask shows them no key get zeros (SDPA would give NaN; the engine never asks for such a
 row except on padding rows, whose output nobody reads). fp32 inputs are multiplied in IEEE fp32 (not
@@ -25,6 +27,7 @@ queries per row for one tile, an unsupported head size): the caller then uses SD
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -41,13 +44,14 @@ def _kernels():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def attend(Q, K, V, M, O, LSE, ROWS, POS,
+    def attend(Q, K, V, M, O, LSE, ROWS, POS, OUT, CNT,
                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smt, sms,
-               sob, soh, sot, sod, so_split, slb, slh, slt, sl_split, spb, spt,
-               T, S, per_split, scale,
+               sob, soh, sot, sod, so_split, slb, slh, slt, sl_split, spb, spt, sfb, sfh, sft, sfd,
+               T, S, per_split, n_split, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_POS: tl.constexpr,
-               BLOCK_T: tl.constexpr, PDL: tl.constexpr = False):
+               BLOCK_T: tl.constexpr, PDL: tl.constexpr = False, INLINE_MERGE: tl.constexpr = False,
+               FENCE: tl.constexpr = False):
         if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -65,7 +69,7 @@ def _kernels():
             tt = tl.arange(0, BLOCK_T)
             limit = tl.max(tl.load(POS + b * spb + tt * spt, mask=tt < T, other=0), 0) + 1
             limit = tl.minimum(limit, S).to(tl.int32)
-            per = tl.cdiv(tl.cdiv(limit, BLOCK_N), tl.num_programs(2)) * BLOCK_N
+            per = tl.cdiv(tl.cdiv(limit, BLOCK_N), n_split) * BLOCK_N
         else:
             limit = S
             per = per_split
@@ -80,8 +84,8 @@ def _kernels():
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
         start = sp * per
-        for n0 in range(start, start + per, BLOCK_N):  # per: a multiple of BLOCK_N
-            n = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(0, per, BLOCK_N):  # per: a multiple of BLOCK_N
+            n = start + n0 + tl.arange(0, BLOCK_N)
             inside = n < limit
             k = tl.load(K + kb * skb + hk * skh + n[:, None] * sks + d[None, :] * skd, mask=inside[:, None], other=0.0)
             if IEEE:
@@ -107,8 +111,36 @@ def _kernels():
         o_ptr = O + b * sob + h[:, None] * soh + t[:, None] * sot + d[None, :] * sod
         if SPLIT:  # partial results: O (splits, B, Hq, T, D) and LSE (splits, B, Hq, T), both fp32
             lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -1.0e30)
-            tl.store(LSE + sp * sl_split + b * slb + h * slh + t * slt, lse, mask=live)
+            l_ptr = LSE + b * slb + h * slh + t * slt
+            tl.store(l_ptr + sp * sl_split, lse, mask=live)
             tl.store(o_ptr + sp * so_split, out, mask=live[:, None])
+            if INLINE_MERGE:
+                # The (row, KV head)'s last split to finish merges them all into OUT (no merge kernel): every
+                # thread fences its partial stores at GPU scope, a barrier, then one thread counts (acquire-release),
+                # as CUDA's threadfence reduction does; the last program's count acquires every split's stores and
+                # it reads them at L2 (.cg), past L1. It sets the count back to 0 for the next call.
+                if FENCE:  # the GPU (Triton's interpreter has no inline assembly and runs programs one by one)
+                    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [live.to(tl.int32)],
+                                              dtype=tl.int32, is_pure=False, pack=1)
+                tl.debug_barrier()
+                cnt = CNT + b * tl.num_programs(1) + hk
+                if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_split - 1:
+                    m_all = tl.full((BLOCK_M,), -1.0e30, tl.float32)
+                    for j in range(0, n_split):
+                        m_all = tl.maximum(m_all, tl.load(l_ptr + j * sl_split, mask=live, other=-1.0e30,
+                                                          cache_modifier=".cg"))
+                    total = tl.zeros((BLOCK_M,), tl.float32)
+                    merged = tl.zeros((BLOCK_M, D), tl.float32)
+                    for j in range(0, n_split):
+                        lse_j = tl.load(l_ptr + j * sl_split, mask=live, other=-1.0e30, cache_modifier=".cg")
+                        w = tl.where(lse_j > -1.0e29, tl.exp(lse_j - m_all), 0.0)
+                        total += w
+                        merged += w[:, None] * tl.load(o_ptr + j * so_split, mask=live[:, None], other=0.0,
+                                                       cache_modifier=".cg")
+                    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
+                    f_ptr = OUT + b * sfb + h[:, None] * sfh + t[:, None] * sft + d[None, :] * sfd
+                    tl.store(f_ptr, merged.to(OUT.dtype.element_ty), mask=live[:, None])
+                    tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
         else:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=live[:, None])
 
@@ -133,6 +165,26 @@ def _kernels():
         tl.store(O + r * D + d, out.to(O.dtype.element_ty))
 
     return attend, merge
+
+
+# A split call's last program merges the splits (no merge kernel): off until measured on the GPU,
+# FLASHSPEC_ATTN_INLINE_MERGE=1 turns it on.
+INLINE_MERGE = os.environ.get("FLASHSPEC_ATTN_INLINE_MERGE", "0") == "1"
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counts(device: torch.device, groups: int) -> torch.Tensor | None:
+    """The finished-split counts of the inline merge, one int32 per (row, KV head), all 0 between calls (each
+    call's last program sets its own back): one buffer per device, made on first use outside a CUDA graph
+    capture (a capture's allocation would not outlive its graph). None (the merge kernel runs) where it cannot
+    be made or is too small. Replays run one at a time on one stream (engine.cuda_graphs), so calls never
+    share a count at the same time."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[device] = torch.zeros(4096, dtype=torch.int32, device=device)
+    return counts if groups <= counts.numel() else None
 
 
 def _splits(batch_heads: int, slots: int) -> int:
@@ -188,14 +240,18 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # steps, T > 1). Partial results are laid out the same way, so the merge writes rows in that order.
     out = torch.empty(bsz, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
     if n_split == 1:
-        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms,
-                              *out.stride(), 0, 0, 0, 0, 0, *pos_strides, t, s, per_split, scale, SPLIT=False, **common)
+        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, out, q, *q.stride(), *k.stride(), *v.stride(), mb,
+                              mt, ms, *out.stride(), 0, 0, 0, 0, 0, *pos_strides, *out.stride(), t, s, per_split, 1, scale,
+                              SPLIT=False, **common)
         return out
     part = torch.empty(n_split, bsz, t, hq, d, device=q.device, dtype=torch.float32).transpose(2, 3)
     lse = torch.empty(n_split, bsz, t, hq, device=q.device, dtype=torch.float32).transpose(2, 3)
-    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt,
-                                ms, *part.stride()[1:], part.stride(0), *lse.stride()[1:], lse.stride(0), *pos_strides,
-                                t, s, per_split, scale, SPLIT=True, **common)
-    merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
-                           SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1, **pdl(q))
+    counts = _merge_counts(q.device, bsz * hkv) if INLINE_MERGE else None
+    attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, out, counts if counts is not None else q,
+                                *q.stride(), *k.stride(), *v.stride(), mb, mt, ms, *part.stride()[1:], part.stride(0),
+                                *lse.stride()[1:], lse.stride(0), *pos_strides, *out.stride(), t, s, per_split, n_split,
+                                scale, SPLIT=True, INLINE_MERGE=counts is not None, FENCE=q.is_cuda, **common)
+    if counts is None:
+        merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
+                               SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1, **pdl(q))
     return out

@@ -33,42 +33,61 @@ CHECK = """
 import torch, torch.nn.functional as F
 from engine.triton_attention import triton_attention
 torch.manual_seed(0)
-b, hq, hkv, t, s, d = 2, 6, 2, 5, 300, 16
-q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
-pos = torch.tensor([[100], [250]]) + torch.arange(t)
-mask = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
-mask[1, :, 0, 200:] = False  # not only causal: any visibility mask
-ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-for splits in (1, 3):
-    out = triton_attention(q, k, v, mask, splits=splits)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    assert out.transpose(1, 2).is_contiguous()  # laid out (B, T, Hq, D): o_proj's input is a view
-# In place in a whole cache layer: batch row i reads cache row rows[i], its first s slots of 400.
-cache_k, cache_v = torch.randn(5, hkv, 400, d), torch.randn(5, hkv, 400, d)
-rows = torch.tensor([3, 0])
-cache_k[rows, :, :s], cache_v[rows, :, :s] = k, v
-for splits in (1, 3):
-    out = triton_attention(q, cache_k, cache_v, mask, splits=splits, rows=rows, kv_len=s)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-assert triton_attention(q, cache_k, cache_v, mask, rows=rows, kv_len=s + 1) is None  # the mask is for s slots
-assert triton_attention(q, cache_k, cache_v, mask[:, :, :, :300], rows=torch.tensor([3]), kv_len=s) is None
-# Bounded by position over the whole cache (slot == position): slots past a row's last query position are
-# never read. NaN there would reach the output through a masked block (0 * NaN); the kernel must skip them.
-full = 400
-big = torch.arange(full)[None, None, None, :] <= pos[:, None, :, None]
-ck, cv = torch.randn(5, hkv, full, d), torch.randn(5, hkv, full, d)
-ck[rows, :, :s], cv[rows, :, :s] = k, v
-for r, p in zip(rows.tolist(), pos[:, -1].tolist()):
-    ck[r, :, p + 1:], cv[r, :, p + 1:] = float("nan"), float("nan")
-causal = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
-ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
-for splits in (None, 1, 3, 16):
-    out = triton_attention(q, ck, cv, big, splits=splits, rows=rows, kv_len=full, positions=pos)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    # rows 0..B-1 as a view of the whole cache (no rows input)
-    out = triton_attention(q, ck[rows], cv[rows], big, splits=splits, positions=pos)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-assert triton_attention(q, ck, cv, big, rows=rows, kv_len=full, positions=pos[:, :1]) is None  # one position per query
+import engine.triton_attention as TA
+attend_kernel, merge_kernel = TA._kernels()
+merges = []
+
+
+class CountingMerge:  # the merge kernel's launches
+    def __getitem__(self, grid):
+        merges.append(grid)
+        return merge_kernel[grid]
+
+
+TA._kernels = lambda: (attend_kernel, CountingMerge())
+# The split results merged by the merge kernel, and by each (row, KV head)'s last split program
+# (FLASHSPEC_ATTN_INLINE_MERGE=1): the same checks for both.
+for TA.INLINE_MERGE in (False, True):
+    merges.clear()
+    b, hq, hkv, t, s, d = 2, 6, 2, 5, 300, 16
+    q, k, v = torch.randn(b, hq, t, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    pos = torch.tensor([[100], [250]]) + torch.arange(t)
+    mask = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
+    mask[1, :, 0, 200:] = False  # not only causal: any visibility mask
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    for splits in (1, 3):
+        out = triton_attention(q, k, v, mask, splits=splits)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert out.transpose(1, 2).is_contiguous()  # laid out (B, T, Hq, D): o_proj's input is a view
+    # In place in a whole cache layer: batch row i reads cache row rows[i], its first s slots of 400.
+    cache_k, cache_v = torch.randn(5, hkv, 400, d), torch.randn(5, hkv, 400, d)
+    rows = torch.tensor([3, 0])
+    cache_k[rows, :, :s], cache_v[rows, :, :s] = k, v
+    for splits in (1, 3):
+        out = triton_attention(q, cache_k, cache_v, mask, splits=splits, rows=rows, kv_len=s)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert triton_attention(q, cache_k, cache_v, mask, rows=rows, kv_len=s + 1) is None  # the mask is for s slots
+    assert triton_attention(q, cache_k, cache_v, mask[:, :, :, :300], rows=torch.tensor([3]), kv_len=s) is None
+    # Bounded by position over the whole cache (slot == position): slots past a row's last query position are
+    # never read. NaN there would reach the output through a masked block (0 * NaN); the kernel must skip them.
+    full = 400
+    big = torch.arange(full)[None, None, None, :] <= pos[:, None, :, None]
+    ck, cv = torch.randn(5, hkv, full, d), torch.randn(5, hkv, full, d)
+    ck[rows, :, :s], cv[rows, :, :s] = k, v
+    for r, p in zip(rows.tolist(), pos[:, -1].tolist()):
+        ck[r, :, p + 1:], cv[r, :, p + 1:] = float("nan"), float("nan")
+    causal = torch.arange(s)[None, None, None, :] <= pos[:, None, :, None]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=causal, enable_gqa=True)
+    for splits in (None, 1, 3, 16):
+        out = triton_attention(q, ck, cv, big, splits=splits, rows=rows, kv_len=full, positions=pos)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        # rows 0..B-1 as a view of the whole cache (no rows input)
+        out = triton_attention(q, ck[rows], cv[rows], big, splits=splits, positions=pos)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert triton_attention(q, ck, cv, big, rows=rows, kv_len=full, positions=pos[:, :1]) is None  # one position per query
+    assert (merges == []) == TA.INLINE_MERGE, (TA.INLINE_MERGE, len(merges))
+    assert all(int(c.abs().sum()) == 0 for c in TA._COUNTS.values())  # every count set back for the next call
+assert list(TA._COUNTS) == [torch.device("cpu")]
 print("ok")
 """
 

@@ -358,3 +358,12 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
         assert -1 < code.find("ld.global") < code.find("griddepcontrol.wait"), case[0]
     code = ptx(*cases[-5])
     assert code.find("griddepcontrol.wait") < code.find("ld.global")
+    # The attention kernel merging its own splits (FLASHSPEC_ATTN_INLINE_MERGE=1): a fence in every thread, a
+    # barrier, then one acquire-release count at GPU scope; the last program reads the partials at L2 (.cg).
+    code = ptx(attend, {**cases[2][1], "OUT": "*bf16", "CNT": "*i32"}, {**cases[2][2], "INLINE_MERGE": True, "FENCE": True})
+    assert code.count("griddepcontrol.wait") == 1 and "ld.global.cg" in code
+    count = next(i for i, line in enumerate(code.splitlines()) if "atom" in line and ".acq_rel" in line and ".gpu" in line)
+    before = code.splitlines()[:count]
+    fence = max(i for i, line in enumerate(before) if "fence.acq_rel.gpu" in line)  # every thread's stores fenced,
+    assert any("bar.sync" in line for line in before[fence:])  # then the barrier, then the count
+    assert "ld.global.cg" not in ptx(*cases[2])

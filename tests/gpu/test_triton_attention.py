@@ -148,3 +148,35 @@ def test_warmup_on_triton_attention_captures_every_graph_traffic_runs():
         assert [list(map(len, o)) for o in outs[True]] == [list(news)] * 3
     finally:
         target.set_attention_backend("sdpa")
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 6), (8, 6)])
+def test_inline_merge_matches_the_merge_kernel_replay_after_replay(monkeypatch, b, t):
+    """FLASHSPEC_ATTN_INLINE_MERGE=1: each (row, KV head)'s last split program merges the splits. Against the merge
+    kernel and SDPA, then 100 replays of a CUDA graph with new queries each time (a merge that read a split before
+    it was stored would show as a wrong row), and every count back at 0 after."""
+    import engine.triton_attention as ta
+
+    s = 2048
+    q, k, v, _ = inputs(b, 9, 3, t, s, 64, torch.bfloat16)
+    pos = 600 + torch.arange(t, device="cuda")[None].repeat(b, 1) + torch.arange(b, device="cuda")[:, None] * 13
+    mask = torch.arange(s, device="cuda")[None, None, None, :] <= pos[:, None, :, None]
+
+    def call(inline):
+        monkeypatch.setattr(ta, "INLINE_MERGE", inline)
+        return triton_attention(q, k, v, mask, positions=pos)
+
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    merged = call(True)
+    torch.testing.assert_close(merged.float(), call(False).float(), atol=1e-2, rtol=1e-2)  # a bf16 unit at most
+    torch.testing.assert_close(merged.float(), ref, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call(True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(100):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=g).to(q.dtype))
+        graph.replay()
+        torch.testing.assert_close(out.float(), call(False).float(), atol=1e-2, rtol=1e-2)
+    torch.cuda.synchronize()
+    assert int(ta._COUNTS[q.device].abs().sum()) == 0
