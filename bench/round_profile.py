@@ -170,6 +170,7 @@ def synced_ms(graph, iters: int = 100) -> tuple[float, float]:
 def attention_calls() -> None:
     import torch.nn.functional as F
 
+    from engine import triton_attention as ta
     from engine.triton_attention import triton_attention
 
     shapes = ((1, 1, 704), (1, 6, 704), (1, 1, 2048), (1, 6, 2048), (8, 1, 768), (8, 6, 768), (8, 6, 2048), (64, 1, 1024))
@@ -186,6 +187,14 @@ def attention_calls() -> None:
             label = splits or "auto"
             row[f"triton_{label}_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, splits=splits)), 2)
             row[f"triton_{label}_max_error"] = round((triton_attention(q, k, v, mask, splits=splits).float() - ref).abs().max().item(), 4)
+        saved, ta.INLINE_MERGE = ta.INLINE_MERGE, True  # the splits merged by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)
+        try:
+            row["triton_auto_inline_merge_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, positions=pos)), 2)
+            row["triton_auto_inline_merge_max_error"] = round(
+                (triton_attention(q, k, v, mask, positions=pos).float() - ref).abs().max().item(), 4)
+        finally:
+            ta.INLINE_MERGE = saved
+        row["triton_auto_positions_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, positions=pos)), 2)
         print(json.dumps(row), flush=True)
 
 
