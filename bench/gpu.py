@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 import traceback
@@ -805,7 +806,8 @@ def main_table(bench: Bench, args) -> list[str]:
              + f"; final norm {'in the projection' if triton_kernels.VOCAB_NORM else 'torch ops (FLASHSPEC_VOCAB_NORM=0)'}"
              + f"; programmatic dependent launch {'on' if triton_kernels.PDL else 'off (FLASHSPEC_PDL=0)'}"
              + f"; output/down projections {'Triton kernel' if triton_layer.PROJ else 'cuBLAS (FLASHSPEC_PROJ_KERNEL=0)'}"
-             + f"; attention splits merged {'by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)' if triton_attention.INLINE_MERGE else 'by a merge kernel'}",
+             + f"; attention splits merged {'by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)' if triton_attention.INLINE_MERGE else 'by a merge kernel'}"
+             + f"; prefill {'as CUDA graphs (FLASHSPEC_PREFILL_GRAPHS=1)' if os.environ.get('FLASHSPEC_PREFILL_GRAPHS') == '1' else 'eager'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import time
 from typing import Callable, Iterable
 
@@ -59,6 +60,7 @@ class DecodeEngine:
         min_admit: int = 1,
         gamma: GammaController | None = None,
         overlap: bool = False,
+        prefill_graphs: bool | None = None,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -79,7 +81,10 @@ class DecodeEngine:
         overlap: with graphs, a batch launches its next graph call (plain decoding steps, or a captured
         speculative round) from this call's outcome, still on the device, before the host reads it, so the
         host's work (the transfer, stop conditions, detokenizing, the scheduler) runs while the GPU decodes
-        (`_resolve_ahead`). Same tokens; a row that stops meanwhile has the call's work for it discarded."""
+        (`_resolve_ahead`). Same tokens; a row that stops meanwhile has the call's work for it discarded.
+        prefill_graphs: with graphs, admissions' prefill passes run as CUDA graphs too, the prompts padded to a
+        power-of-two length (`_prefill_target`); default: FLASHSPEC_PREFILL_GRAPHS=1 in the environment (off
+        until measured on the GPU)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit
@@ -106,6 +111,9 @@ class DecodeEngine:
         self._round_clock = 0.0  # when the host last read a speculative round's outcome
         self._scatter_rows = False  # warm-up: run rows 0..b-1 as the scattered rows' graphs do
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
+        if prefill_graphs is None:
+            prefill_graphs = os.environ.get("FLASHSPEC_PREFILL_GRAPHS", "0") == "1"
+        self.prefill_graphs = prefill_graphs and use_graphs
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
         self.draft_cache: KVCache | None = None
@@ -540,7 +548,7 @@ class DecodeEngine:
             self.draft_cache.reset(torch.tensor([slot], device=self.device))
 
     def _prefill(self, batch: list[SlotState]) -> list[RequestOutput]:
-        model, device = self.model, self.device
+        device = self.device
         lens = [len(s.request.prompt_ids) for s in batch]
         t_max = max(lens)
         tokens = torch.zeros(len(batch), t_max, dtype=torch.long, device=device)
@@ -552,19 +560,49 @@ class DecodeEngine:
         spec = [i for i, s in enumerate(batch) if s.draft is not None]
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
         capture = feature_layers_of(batch[i].draft for i in spec)
-        ctx = model.context(pos, self.cache, rows, t_max)
-        trunk = model(tokens, pos, layers=range(0, n_trunk), cache=self.cache, rows=rows, ctx=ctx).hidden
-        out = model(None, pos, layers=range(n_trunk, model.args.num_layers), hidden=trunk, cache=self.cache,
-                    rows=rows, logits_index=last, ctx=ctx, capture=capture)
-        first = self._sample(batch, out.logits[:, 0])
+        trunk, hidden, logits, captured = self._prefill_target(tokens, rows, last, n_trunk, capture, bool(spec))
+        first = self._sample(batch, logits[:, 0])
         if spec:
-            self._prefill_drafts([batch[i] for i in spec], trunk[spec], out.hidden[spec], pos[spec], last[spec], t_max,
-                                 [c[spec] for c in out.captured], capture)
+            self._prefill_drafts([batch[i] for i in spec], trunk[spec], hidden[spec], pos[spec], last[spec], t_max,
+                                 [c[spec] for c in captured], capture)
         results = []
         for s, tok, n in zip(batch, first, lens):
             s.length = n
             results.append(self._commit(s, [tok]))
         return results
+
+    def _prefill_target(self, tokens, rows, last, n_trunk: int, capture: tuple[int, ...], drafts: bool):
+        """The target's pass over prompts (b, T) (zero-padded past each row's length) -> (hidden after the first
+        `n_trunk` layers, hidden after all, logits at each row's `last` position (b, 1, V), hidden after each layer
+        count in `capture`); the hidden states only where drafts will prefill from them (`drafts`).
+
+        With prefill graphs (`prefill_graphs`), the prompts run padded to a power-of-two length (at least 16)
+        as a CUDA graph of that length and batch bucket: an eager prefill is a few hundred small launches, a
+        fixed cost per admission. The padding's keys and values land past each row's length, invisible to its
+        queries and overwritten later, as a rejected draft's are; the outputs are cut back to T positions."""
+        model, cache = self.model, self.cache
+        t_max = tokens.shape[1]
+        t_run = min(max(16, 1 << (t_max - 1).bit_length()), cache.max_seq_len) if self.prefill_graphs else t_max
+
+        def fn(tokens, last, rows=rows):
+            pos = torch.arange(t_run, device=tokens.device)[None].expand(tokens.shape[0], -1)
+            ctx = model.context(pos, cache, rows, t_run)
+            trunk = model(tokens, pos, layers=range(0, n_trunk), cache=cache, rows=rows, ctx=ctx).hidden
+            out = model(None, pos, layers=range(n_trunk, model.args.num_layers), hidden=trunk, cache=cache,
+                        rows=rows, logits_index=last, ctx=ctx, capture=capture)
+            if not drafts:
+                return (out.logits,)
+            return out.logits, trunk, out.hidden, *out.captured
+
+        if not self.prefill_graphs:
+            outs = fn(tokens, last)
+        else:
+            padded = torch.nn.functional.pad(tokens, (0, t_run - t_max))
+            outs = self.run_graph(("prefill", t_run, n_trunk, capture, drafts), fn, rows, {"tokens": padded, "last": last})
+        if not drafts:
+            return None, None, outs[0], ()
+        logits, trunk, hidden, *captured = outs
+        return trunk[:, :t_max], hidden[:, :t_max], logits, tuple(c[:, :t_max] for c in captured)
 
     def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max, captured=(), capture=()) -> None:
         """Fill the adapters' KV over the prompts (the trunk's is already in the target cache)."""

@@ -977,3 +977,34 @@ def test_a_round_settles_each_stream_a_fixed_budget_past_its_start_and_never_bac
         stream.drawn = (start + used) & 0xFFFFFFFF
     settle_draws(streams, starts, 11)
     assert [s.drawn for s in streams] == [16, (0xFFFFFFFE + 11) & 0xFFFFFFFF, 60]  # the counter wraps; 20 > 11 kept
+
+
+@pytest.mark.parametrize("sampled,window,rows", [(False, None, 4), (True, None, 4), (False, 16, 4), (True, None, 1)],
+                         ids=["greedy", "sampled", "windowed-draft-cache", "one-row-at-a-time"])
+def test_prefill_graphs_give_the_eager_prefill_s_tokens(target, monkeypatch, sampled, window, rows):
+    """prefill_graphs: each admission's prefill runs padded to a power-of-two length through the graph path
+    (emulated on the CPU): the same tokens as without graphs, for a batch of plain rows, a trunk draft and a
+    deep draft fusing a middle layer's states, and the prefill graphs keyed by their padded length."""
+    import engine.scheduler as scheduler
+
+    drafts = [None, noisy(oracle(target), 0.5), layered(target, (2,)), None]
+    params = [SamplingParams(max_new_tokens=NEW, eos_token_ids=(), seed=i, **({"temperature": 0.9} if sampled else {}))
+              for i in range(len(LENGTHS))]
+    spec = SpecConfig(5, 5, draft_kv_window=window)
+    want = [r.token_ids for r in spec_generate(target, drafts, spec, params=params, max_batch_size=rows)]
+    keys = []
+    real = scheduler.DecodeEngine.run_graph
+    monkeypatch.setattr(scheduler.DecodeEngine, "run_graph",
+                        lambda self, key, *a, **kw: keys.append(key) or real(self, key, *a, **kw))
+    stats = []
+    for prefill_graphs in (False, True):
+        keys.clear()
+        got = spec_generate(target, drafts, spec, params=params, cuda_graphs="emulate", prefill_graphs=prefill_graphs,
+                            max_batch_size=rows)
+        assert [r.token_ids for r in got] == want, prefill_graphs
+        prefills = {key[1] for key in keys if key[0] == "prefill"}
+        # LENGTHS (5, 17, 2, 30) pad to 32 tokens in one admission; one at a time, to 16, 32, 16, 32
+        assert prefills == (({32} if rows == 4 else {16, 32}) if prefill_graphs else set())
+        stats.append([(r.stats.accepted, r.stats.drafted) if r.stats else None for r in got])
+    # The drafts prefilled from the same states: the same acceptance (tokens alone would not show it: lossless).
+    assert stats[0] == stats[1] and sum(s[1] for s in stats[1] if s) > 0, stats

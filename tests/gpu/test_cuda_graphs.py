@@ -119,10 +119,11 @@ def _drafts(target):
     return out
 
 
-@pytest.mark.parametrize("block, mixed", [(2, False), (5, False), (5, True)])
-def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed):
+@pytest.mark.parametrize("block, mixed, prefill", [(2, False, False), (5, False, False), (5, True, False), (5, True, True)])
+def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed, prefill):
     """Requests of three drafts (and plain ones) finishing at different times, new ones filling the gaps:
-    padded bucket graphs with rows as an input, one drafting graph over several drafts. fp32: exact."""
+    padded bucket graphs with rows as an input, one drafting graph over several drafts; `prefill`: the
+    admissions' prefill passes as graphs too, padded to power-of-two lengths. fp32: exact."""
     target = tiny_target(torch.float32)
     drafts = _drafts(target)
     lengths = (5, 17, 2, 30, 9, 12, 7, 21, 3, 14)
@@ -132,7 +133,7 @@ def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed):
     outs = {}
     for graphs in (False, True):
         eng = DecodeEngine(target, None, max_batch_size=6, max_seq_len=128, spec=SpecConfig(5, block), cuda_graphs=graphs,
-                           mixed_round_graph=mixed)
+                           mixed_round_graph=mixed, prefill_graphs=prefill)
         for d in drafts:
             eng.add_draft(d.name, d)
         if graphs:
@@ -154,6 +155,7 @@ def test_scattered_rows_and_mixed_drafts_match_eager(block, mixed):
                 if out.finished and queue:
                     submit(queue.pop(0))
         outs[graphs] = got
+        assert any(key[0] == "prefill" for key in eng.graphs.graphs) == (graphs and prefill)
     assert outs[True] == outs[False]
 
 

@@ -184,15 +184,31 @@ def _tiny_draft(model):
     return draft
 
 
-def test_a_batch_takes_them_where_all_its_steps_fit_and_speculation_gives_plain_decoding_s_tokens(monkeypatch):
-    """FLASHSPEC_LAYER_ROWS=128: a batch of 4 runs its decode steps (4 rows) and its verify passes (24 rows) on the
-    layer and projection kernels, so in bf16 its greedy speculative tokens are plain decoding's, with graphs and
-    without."""
+def _generations(model, draft, prompts, max_batch_size, check=None) -> dict:
+    """Greedy tokens of plain decoding ("ar") and speculation ("spec", gamma 5), eager and with CUDA graphs:
+    {(graphs, name): each prompt's tokens}. `check(graphs)` runs after each generation."""
     from engine.generate import generate
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
+    params = SamplingParams(max_new_tokens=24, eos_token_ids=())
+    outs = {}
+    for graphs in (False, True):
+        for name, d in (("ar", None), ("spec", "d")):
+            eng = DecodeEngine(model, None, max_batch_size=max_batch_size, max_seq_len=128, spec=SpecConfig(5, 5),
+                               cuda_graphs=graphs)
+            eng.add_draft("d", draft)
+            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+            if check is not None:
+                check(graphs)
+    return outs
+
+
+def test_a_batch_takes_them_where_all_its_steps_fit_and_speculation_gives_plain_decoding_s_tokens(monkeypatch):
+    """FLASHSPEC_LAYER_ROWS=128: a batch of 4 runs its decode steps (4 rows) and its verify passes (24 rows) on the
+    layer and projection kernels, so in bf16 its greedy speculative tokens are plain decoding's, with graphs and
+    without."""
     monkeypatch.setattr(triton_layer, "MAX_ROWS", 128)
     model = _tiny_target()
     draft = _tiny_draft(model)
@@ -200,18 +216,15 @@ def test_a_batch_takes_them_where_all_its_steps_fit_and_speculation_gives_plain_
     real = triton_layer.norm_gate_up_silu
     monkeypatch.setattr(triton_layer, "norm_gate_up_silu",
                         lambda x, *a: (lambda out: served.append((x.shape[0], out is not None)) or out)(real(x, *a)))
+
+    def check(graphs):
+        if not graphs:  # eager: every call is seen (a graph replays what it captured)
+            assert any(n > 1 and ok for n, ok in served), served
+            assert all(ok for n, ok in served if n <= 64), served  # every short step served; prefills are not
+        served.clear()
+
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16], [20, 21], [30, 31, 32, 33]]
-    params = SamplingParams(max_new_tokens=24, eos_token_ids=())
-    outs = {}
-    for graphs in (False, True):
-        for name, d in (("ar", None), ("spec", "d")):
-            eng = DecodeEngine(model, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
-            eng.add_draft("d", draft)
-            served.clear()
-            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
-            if not graphs:  # eager: every call is seen (a graph replays what it captured)
-                assert any(n > 1 and ok for n, ok in served), served
-                assert all(ok for n, ok in served if n <= 64), served  # every short step served; prefills are not
+    outs = _generations(model, draft, prompts, 4, check)
     assert outs[(True, "ar")] == outs[(False, "ar")] == outs[(False, "spec")] == outs[(True, "spec")]
 
 
@@ -221,11 +234,6 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj
     each layer (and, with FLASHSPEC_PROJ_KERNEL=1, the projection kernel for the output and down projections),
     the logits stay those of the separate kernels up to bf16 rounding, and the engine's CUDA graphs give
     eager's tokens, plain decoding and speculative rounds alike."""
-    from engine.generate import generate
-    from engine.sampling import SamplingParams
-    from engine.scheduler import DecodeEngine
-    from engine.speculative import SpecConfig
-
     model = _tiny_target()
     calls = []
     monkeypatch.setattr(triton_layer, "PROJ", proj)
@@ -244,14 +252,7 @@ def test_fused_model_takes_them_and_graphs_give_eager_s_tokens(monkeypatch, proj
     assert (got - want).abs().max() < 0.05 * want.abs().max()
 
     draft = _tiny_draft(model)
-    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
-    params = SamplingParams(max_new_tokens=24, eos_token_ids=())
-    outs = {}
-    for graphs in (False, True):
-        for name, d in (("ar", None), ("spec", "d")):
-            # Batch 1: by default the layer kernels serve batch-1 steps only (engine/model.py).
-            eng = DecodeEngine(model, None, max_batch_size=1, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs)
-            eng.add_draft("d", draft)
-            outs[(graphs, name)] = [r.token_ids for r in generate(eng, prompts, params, d)]
+    # Batch 1: by default the layer kernels serve batch-1 steps only (engine/model.py).
+    outs = _generations(model, draft, [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]], 1)
     assert outs[(True, "ar")] == outs[(False, "ar")]
     assert outs[(True, "spec")] == outs[(False, "spec")]
