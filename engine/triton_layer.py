@@ -16,8 +16,8 @@ A third, `project` (on by default; FLASHSPEC_PROJ_KERNEL=0 turns it off), runs t
 of those steps in place of cuBLAS's GEMM: one program per 16 output columns, the whole reduction in one step
 where it fits, the weight read before the kernel waits for the one before it (programmatic dependent launch),
 so that every kernel of a short step's layer is a Triton launch the chain of dependent launches runs through.
-With FLASHSPEC_LAYER_PREFETCH=1 (off: measured, it does not pay on both kinds of step) the two layer kernels read their weight's first
-features before that wait too.
+With FLASHSPEC_LAYER_PREFETCH=1 (off: measured in run 30, it does not pay) the two layer kernels read their
+weight's first features before that wait too.
 
 The attention kernel stays as it was. Inside a CUDA
 graph a short step of a small model costs its kernels' latencies one after another; these cut the

@@ -45,9 +45,9 @@ def norm_qkv_rope_kernel(X, DELTA, RES, NW, W, COS, SIN, QO, KC, VC, ROWS, POS, 
                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr, HAS_DELTA: tl.constexpr,
                          HAS_ROWS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
     """Program (h, c, r): columns c*COLS.. of both halves of head h of q|k|v (queries, then keys, then values)
-    for the rows of tile r (grid axis 1): a half's column pairs with the same column of the other half under RoPE. PREFETCH: the
-    weight's first BLOCK_K features are read before the wait for the kernel before (the same sums, in the same
-    order)."""
+    for the rows of tile r (grid axis 1): a half's column pairs with the same column of the other half under
+    RoPE. PREFETCH: the weight's first BLOCK_K features are read before the wait for the kernel before (the
+    same sums, in the same order)."""
     HALF: tl.constexpr = D // 2
     PARTS: tl.constexpr = HALF // COLS
     head = tl.program_id(0) // PARTS
@@ -151,8 +151,9 @@ def norm_gate_up_kernel(X, DELTA, RES, NW, W, OUT, M, eps, sxm, sdm, srm, swn, s
 @triton.jit
 def project_kernel(X, W, OUT, M, sxm, swn, som, K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (n, r): output columns n*BLOCK_N.. of x @ w.T for the rows of tile r. The weight's first BLOCK_K features are
-    read before the wait for the kernel before (a constant; with BLOCK_K >= K, all of this program's weight)."""
+    """Program (n, r): output columns n*BLOCK_N.. of x @ w.T for the rows of tile r. The weight's first
+    BLOCK_K features are read before the wait for the kernel before (a constant; with BLOCK_K >= K, all of
+    this program's weight)."""
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_c = c < N
     k = tl.arange(0, BLOCK_K)
