@@ -335,6 +335,8 @@ class DecodeEngine:
                                 # Seeded sampled rows keep the chain (engine.tree): tree graphs need unseeded ones.
                                 run = params if width == 1 or kind == "greedy" else dataclasses.replace(params, seed=None)
                                 generate(self, prompts, run, draft=[mix[i % len(mix)] for i in range(b)])
+            if self.prefill_graphs:
+                self._warm_prefill(mixes, buckets, stop)
         finally:
             self.governor = governor
             self.gamma.forced, self.gamma.forced_width = None, 1
@@ -344,6 +346,31 @@ class DecodeEngine:
             self._wait_ahead()
             self._ahead = None  # nor an overlapped call of one
         return self.graphs.captures - before
+
+    def _warm_prefill(self, mixes: list[list[str | None]], buckets: list[int], stop: Callable[[], bool] | None) -> None:
+        """With prefill graphs: capture the prefill pass of every padded prompt length (16, 32, ... the cache) for
+        every batch bucket, rows 0..b-1 and scattered, plain and for the drafts of each mix (their trunk split
+        and captured layers), so no admission captures one in traffic. Zero prompts into rows of an idle engine:
+        what they write is overwritten before anything reads it."""
+        variants = {(0, (), False)}
+        for mix in mixes:
+            drafts = [self.drafts[name] for name in mix if name is not None]
+            if drafts:
+                variants.add((drafts[0].shared_layers, feature_layers_of(drafts), True))
+        lengths = []  # what _prefill_target pads a prompt of up to max_seq_len tokens to
+        while not lengths or lengths[-1] < min(self.max_seq_len, self.cache.max_seq_len):
+            lengths.append(min(16 << len(lengths), self.cache.max_seq_len))
+        self._scatter_rows = False
+        for b in buckets:
+            for scattered in (False, True):  # rows as views (0..b-1), or a graph input (`run_graph`)
+                rows = torch.arange(b, device=self.device) if scattered else slice(0, b)
+                for t in lengths:
+                    tokens = torch.zeros(b, t, dtype=torch.long, device=self.device)
+                    last = torch.full((b,), t - 1, device=self.device)
+                    for n_trunk, capture, drafts in sorted(variants):
+                        if stop is not None and stop():
+                            return
+                        self._prefill_target(tokens, rows, last, n_trunk, capture, drafts)
 
     @property
     def num_running(self) -> int:

@@ -746,6 +746,25 @@ def test_warmup_with_a_position_bounded_backend_captures_every_graph_serving_run
         eng.warm_draft("d")
 
 
+def test_warmup_captures_every_prefill_graph_admissions_run(target, monkeypatch):
+    """With prefill graphs, warm-up also captures the prefill pass of every padded prompt length, batch bucket,
+    row layout and set of drafts: admissions of any prompt length then capture nothing, with exact greedy tokens."""
+    monkeypatch.setattr(target, "backend", BoundedSdpa())
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(3, 3), cuda_graphs="emulate",
+                       prefill_graphs=True)
+    eng.add_draft("a", noisy(oracle(target), 0.3))
+    eng.add_draft("b", layered(target, (2,)))
+    assert eng.warmup(max_len=16, prompt_len=4, sampling=("greedy",)) > 0
+    assert {k[1] for k in eng.graphs.graphs if k[0] == "prefill"} == {16, 32, 64, 128}
+    warmed = eng.graphs.captures
+    lengths, new = (3, 20, 40, 70), 12
+    params = SamplingParams(max_new_tokens=new, eos_token_ids=())
+    for mix in ([None] * 4, ["a"] * 4, ["b", None, "a", "b"]):
+        out = generate(eng, prompts_for(target.args.vocab_size, lengths), params, draft=mix)
+        assert [r.token_ids for r in out] == ar_greedy(target, lengths, new)
+    assert eng.graphs.captures == warmed
+
+
 def test_replacing_a_draft_drops_its_graphs(target):
     eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(3, 3), cuda_graphs="emulate")
     first = oracle(target)
