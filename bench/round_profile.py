@@ -5,6 +5,7 @@
     python -m bench.round_profile --sampling-calls         # sampling kernels against torch ops, per call
     python -m bench.round_profile --vocab-calls            # the vocabulary projection kernel's settings, per call
     python -m bench.round_profile --proj-calls [OUT]       # the output/down projection kernel against cuBLAS
+    python -m bench.round_profile --prefill-calls [--attention triton]  # an admission's prefill, eager and as a graph
     python -m bench.round_profile --kernel-table [--attention triton]   # decode/verify steps' kernels by type
     python -m bench.round_profile --engine-graphs long [--attention triton]  # a generation's graphs, bs 8 and 1
     python -m bench.round_profile --layer-sweep [OUT]  # engine/triton_layer.py's launch settings
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -495,6 +497,41 @@ def fused_default(attention: str):
 
 
 @torch.no_grad()
+def prefill_calls(attention: str, reps: int = 20) -> None:
+    """One admission's target prefill pass (`DecodeEngine._prefill_target`, the fused default target) at batch 1
+    and 8 and prompts of 32-2,047 tokens, plain and for the code draft (its trunk split and captured layers):
+    ms from the call to the device having finished (median of `reps`, synchronized), eager and as a CUDA graph
+    over the prompts padded to a power-of-two length (`prefill_graphs`); the time before a request's first
+    token that does not depend on decoding."""
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import feature_layers_of
+
+    loaded, drafts = fused_default(attention)
+    model = loaded.model
+    code = drafts["code"]
+    for graphs in (False, True):
+        eng = DecodeEngine(model, None, max_batch_size=8, max_seq_len=2048, prefill_graphs=graphs)
+        for b in (1, 8):
+            for t in (32, 100, 512, 2047):
+                tokens = torch.randint(2, model.args.vocab_size, (b, t), device="cuda")
+                last = torch.full((b,), t - 1, device="cuda")
+                for name, args in (("plain", (0, (), False)),
+                                   ("code draft", (code.shared_layers, feature_layers_of([code]), True))):
+                    def call():
+                        eng._prefill_target(tokens, slice(0, b), last, *args)
+                        torch.cuda.synchronize()
+
+                    call()  # a graph's capture, or the eager path's first run
+                    times = []
+                    for _ in range(reps):
+                        start = time.perf_counter()
+                        call()
+                        times.append((time.perf_counter() - start) * 1e3)
+                    print(json.dumps({"prefill": "graph" if graphs else "eager", "batch": b, "tokens": t, "for": name,
+                                      "ms": round(statistics.median(times), 3)}), flush=True)
+
+
+@torch.no_grad()
 def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[str] | None = None,
                   temperatures: tuple[float, ...] = (0.0,), sub_vocab_draws: bool = True,
                   sampling_compare: bool = False) -> None:
@@ -712,6 +749,8 @@ def main() -> None:
                         help="without engine.triton_kernels' vocabulary projection (F.linear over an fp32 copy instead)")
     parser.add_argument("--no-layer-kernels", action="store_true",
                         help="without engine.triton_layer (separate norm, projection, RoPE and SiLU kernels)")
+    parser.add_argument("--prefill-calls", action="store_true",
+                        help="only one admission's prefill pass, eager and as a CUDA graph, at batch 1 and 8")
     parser.add_argument("--layer-sweep", default=None, metavar="OUT", nargs="?", const="",
                         help="only engine/triton_layer.py's launch settings swept (the best written to OUT)")
     args = parser.parse_args()
@@ -725,6 +764,8 @@ def main() -> None:
         raise SystemExit("bench.round_profile needs a CUDA GPU (it times CUDA graphs); run it on the GPU machine")
     if args.layer_sweep is not None:
         layer_sweep(out=args.layer_sweep or None)
+    elif args.prefill_calls:
+        prefill_calls(args.attention)
     elif args.attention_calls:
         attention_calls()
     elif args.sampling_calls:
