@@ -807,7 +807,8 @@ def main_table(bench: Bench, args) -> list[str]:
              + f"; programmatic dependent launch {'on' if triton_kernels.PDL else 'off (FLASHSPEC_PDL=0)'}"
              + f"; output/down projections {'Triton kernel' if triton_layer.PROJ else 'cuBLAS (FLASHSPEC_PROJ_KERNEL=0)'}"
              + f"; attention splits merged {'by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)' if triton_attention.INLINE_MERGE else 'by a merge kernel'}"
-             + f"; prefill {'as CUDA graphs (FLASHSPEC_PREFILL_GRAPHS=1)' if os.environ.get('FLASHSPEC_PREFILL_GRAPHS') == '1' else 'eager'}",
+             + f"; prefill {'as CUDA graphs (FLASHSPEC_PREFILL_GRAPHS=1)' if os.environ.get('FLASHSPEC_PREFILL_GRAPHS') == '1' else 'eager'}"
+             + f"; a pass's cos, sin and mask {'in one launch (FLASHSPEC_CONTEXT_KERNEL=1)' if triton_kernels.CONTEXT else 'as torch ops'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "
              "mean accepted length | acceptance | greedy agreement with AR | peak GiB | "

@@ -347,18 +347,25 @@ class Transformer(nn.Module):
         where the tokens are written when that is not their positions, and `mask` (B, 1, T, kv_len) what each
         sees (both: a draft tree, `engine.tree`); default: slot == position, each sees the slots up to its own."""
         dtype = self.embed_tokens.weight.dtype
+        if cache is not None:
+            kv_len = min(kv_len or cache.max_seq_len, cache.max_seq_len)
+            if mask is None and slots is not None:
+                raise ValueError("tokens written at slots other than their positions need their own mask")
+            # Slot == position (a plain KVCache's own mask): cos, sin and the mask in one launch where
+            # engine.triton_kernels.step_context serves it (FLASHSPEC_CONTEXT_KERNEL=1), the same values.
+            fused = (triton_kernels.step_context(self.rope_cos, self.rope_sin, input_pos, dtype, kv_len)
+                     if mask is None and type(cache).visibility is KVCache.visibility else None)
+            if fused is not None:
+                cos, sin, mask = fused
+                return StepContext(input_pos, cos, sin, mask, cache, rows, kv_len, self.backend, slots)
         cos = self.rope_cos[input_pos].to(dtype)[:, None]  # (B, 1, T, D)
         sin = self.rope_sin[input_pos].to(dtype)[:, None]
         if cache is None:
             # No cache (training): attend among the given tokens by position.
             mask = input_pos[:, None, None, :] <= input_pos[:, None, :, None]  # (B, 1, T, T)
             kv_len = input_pos.shape[1]
-        else:
-            kv_len = min(kv_len or cache.max_seq_len, cache.max_seq_len)
-            if mask is None:
-                if slots is not None:
-                    raise ValueError("tokens written at slots other than their positions need their own mask")
-                mask = cache.visibility(input_pos, rows, kv_len)
+        elif mask is None:
+            mask = cache.visibility(input_pos, rows, kv_len)
         return StepContext(input_pos, cos, sin, mask, cache, rows, kv_len, self.backend, slots)
 
     def forward(

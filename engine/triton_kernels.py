@@ -302,10 +302,28 @@ def _kernels():
                 acc = tl.dot(x, wt.to(tl.float32), acc, input_precision="ieee")
         tl.store(OUT + m[:, None].to(tl.int64) * sor + v[None, :], acc, mask=(m[:, None] < N) & (v[None, :] < V))
 
+    @triton.jit
+    def step_context_kernel(RC, RS, POS, COS, SIN, MASK, T, S, L, spb, spt, src, srs,
+                            D: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (i, j) for new token i = (row, token): block j of its visibility-mask row (slot s visible iff
+        s <= its position), and for j = 0 its position's cos and sin rows in the output's dtype."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        i = tl.program_id(0)
+        p = tl.load(POS + (i // T) * spb + (i % T) * spt).to(tl.int64)
+        s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        tl.store(MASK + i * S + s, (s <= p).to(tl.int8), mask=s < S)
+        if tl.program_id(1) == 0:
+            d = tl.arange(0, DP)
+            m = (d < D) & (p >= 0) & (p < L)
+            tl.store(COS + i * D + d, tl.load(RC + p * src + d, mask=m, other=0.0).to(COS.dtype.element_ty), mask=d < D)
+            tl.store(SIN + i * D + d, tl.load(RS + p * srs + d, mask=m, other=0.0).to(SIN.dtype.element_ty), mask=d < D)
+
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
                                  tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
-                                 vocab_projection=vocab_projection_kernel)
+                                 vocab_projection=vocab_projection_kernel, step_context=step_context_kernel)
 
 
 @functools.lru_cache(maxsize=1)
@@ -407,6 +425,35 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
         HQ=heads, HKV=kv_heads, D=d, HQP=max(1, 1 << (heads - 1).bit_length()),
         HKP=max(1, 1 << (kv_heads - 1).bit_length()), HAS_ROWS=has_rows, num_warps=1, **pdl(qkv))
     return q
+
+
+# A forward pass's shared inputs (`Transformer.context`: the new tokens' cos and sin rows and their visibility mask) in
+# one launch instead of six small ones (two gathers, two casts, an arange and a comparison); a speculative round
+# builds about 2 gamma + 2 of them. Off until measured on the GPU: FLASHSPEC_CONTEXT_KERNEL=1 turns it on.
+CONTEXT = os.environ.get("FLASHSPEC_CONTEXT_KERNEL", "0") == "1"
+CONTEXT_BLOCK = 1024  # mask slots a program writes
+
+
+def step_context(rope_cos: torch.Tensor, rope_sin: torch.Tensor, input_pos: torch.Tensor, dtype: torch.dtype,
+                 kv_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(cos, sin (B, 1, T, D) in `dtype`, mask (B, 1, T, kv_len) bool) for positions input_pos (B, T): what
+    `rope_cos[input_pos].to(dtype)[:, None]`, the same of `rope_sin`, and `engine.cache.visibility_mask` (slot s
+    visible iff s <= the position) give, bit for bit. None for calls it does not serve."""
+    if (not (ENABLED and CONTEXT) or not available() or not served(rope_cos, rope_sin, input_pos) or input_pos.dim() != 2
+            or input_pos.dtype not in (torch.int64, torch.int32) or rope_cos.dim() != 2 or rope_sin.shape != rope_cos.shape
+            or rope_cos.stride(1) != 1 or rope_sin.stride(1) != 1 or kv_len < 1):
+        return None
+    bsz, t = input_pos.shape
+    length, d = rope_cos.shape
+    cos = torch.empty(bsz, 1, t, d, device=input_pos.device, dtype=dtype)
+    sin = torch.empty_like(cos)
+    mask = torch.empty(bsz, 1, t, kv_len, device=input_pos.device, dtype=torch.bool)
+    if bsz * t:
+        _kernels().step_context[(bsz * t, -(-kv_len // CONTEXT_BLOCK))](
+            rope_cos, rope_sin, input_pos, cos, sin, mask.view(torch.uint8), t, kv_len, length, *input_pos.stride(),
+            rope_cos.stride(0), rope_sin.stride(0), D=d, DP=max(2, 1 << (d - 1).bit_length()), BLOCK_S=CONTEXT_BLOCK,
+            num_warps=4, **pdl(input_pos))
+    return cos, sin, mask
 
 
 def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.Tensor | None:

@@ -281,6 +281,60 @@ def test_vocab_projection_matches_fp32_linear_in_the_interpreter(triton_interpre
     triton_interpreter(VOCAB)
 
 
+STEP_CONTEXT = """
+import copy, torch
+import engine.triton_kernels as tk
+from engine.cache import WindowedKVCache, visibility_mask
+from engine.config import ModelArgs
+from engine.model import Transformer
+torch.manual_seed(0)
+tk.CONTEXT = True  # FLASHSPEC_CONTEXT_KERNEL=1
+table_cos, table_sin = torch.randn(300, 16), torch.randn(300, 16)
+for dtype in (torch.float32, torch.float16):
+    for pos, kv_len in ((torch.tensor([[7]]), 40), (torch.tensor([[3, 4, 5], [250, 251, 252]]), 2100),
+                        (torch.tensor([[0, 1]], dtype=torch.int32), 1)):
+        cos, sin, mask = tk.step_context(table_cos, table_sin, pos, dtype, kv_len)
+        assert torch.equal(cos, table_cos[pos].to(dtype)[:, None]) and torch.equal(sin, table_sin[pos].to(dtype)[:, None])
+        assert mask.dtype == torch.bool and torch.equal(mask, visibility_mask(pos.long(), kv_len)), (pos, kv_len)
+# In the model: the context's cos, sin and mask are the torch path's; a windowed cache (its own mask), a
+# caller's mask and a pass without a cache keep the torch path.
+args = ModelArgs(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=128)
+model = Transformer(args, max_seq_len=128).eval()
+cache = model.new_cache(2, 128)
+calls = []
+real = tk.step_context
+tk.step_context = lambda *a: calls.append(a[3]) or real(*a)
+pos = torch.tensor([[20, 21, 22], [5, 6, 7]])
+for on in (True, False):
+    tk.CONTEXT = on
+    ctx = model.context(pos, cache, torch.tensor([1, 0]), 64)
+    if on:
+        got = ctx
+    else:
+        for name in ("cos", "sin", "mask"):
+            assert torch.equal(getattr(got, name), getattr(ctx, name)), name
+assert calls == [torch.float32, torch.float32]  # asked twice, served once (CONTEXT off the second time)
+tk.CONTEXT = True
+calls.clear()
+windowed = WindowedKVCache(2, 2, 2, 8, 8, 8)
+model.context(pos, windowed, torch.tensor([1, 0]), 16)
+model.context(pos, cache, None, 64, mask=torch.ones(2, 1, 3, 64, dtype=torch.bool))
+model.context(pos, None)
+assert calls == []
+with torch.no_grad():  # a whole forward pass with it: the same logits
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    want = model(tokens, pos, cache=model.new_cache(2, 128), kv_len=64).logits
+    tk.CONTEXT = False
+    assert torch.equal(model(tokens, pos, cache=model.new_cache(2, 128), kv_len=64).logits, want)
+print("ok")
+"""
+
+
+def test_step_context_is_the_torch_path_s_bit_for_bit_in_the_interpreter(triton_interpreter):
+    triton_interpreter(STEP_CONTEXT)
+
+
 def test_vocab_launch_settings_from_the_environment_are_checked():
     import subprocess
     import sys
@@ -338,6 +392,8 @@ def test_engine_kernels_compile_with_programmatic_dependent_launch_for_hopper():
                   "POS": "*i64", "scale": "fp32"},
          dict(G=3, D=64, BLOCK_M=16, BLOCK_N=64, IEEE=False, SPLIT=True, HAS_ROWS=False, HAS_POS=True, BLOCK_T=2)),
         (merge, {"P": "*fp32", "LSE": "*fp32", "O": "*bf16"}, dict(D=64, SP=16)),
+        (kernels.step_context, {"RC": "*fp32", "RS": "*fp32", "POS": "*i64", "COS": "*bf16", "SIN": "*bf16", "MASK": "*u8"},
+         dict(D=64, DP=64, BLOCK_S=1024)),
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},
          dict(K=576, INTER=1536, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, HAS_DELTA=True)),
         (lk.norm_gate_up_kernel, {n: "*bf16" for n in ("X", "DELTA", "RES", "NW", "W", "OUT")} | {"eps": "fp32"},

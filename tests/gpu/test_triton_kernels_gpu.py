@@ -210,3 +210,38 @@ def test_norm_vocab_projection_equals_the_torch_norm_then_projection(monkeypatch
         replayed = triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)
     graph.replay()
     assert torch.equal(replayed[0], logits) and torch.equal(replayed[1], normed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_step_context_equals_the_torch_path_inside_a_cuda_graph(monkeypatch, dtype):
+    """FLASHSPEC_CONTEXT_KERNEL=1: cos, sin and the visibility mask of a pass in one launch, bit for bit the torch
+    path's, also replayed in a CUDA graph at new positions; and a fused model's engine gives the same tokens."""
+    from engine.cache import visibility_mask
+
+    monkeypatch.setattr(triton_kernels, "CONTEXT", True)
+    table_cos, table_sin = torch.randn(4096, 64, device="cuda"), torch.randn(4096, 64, device="cuda")
+    pos = torch.tensor([[700, 701, 702, 703, 704, 705], [9, 10, 11, 12, 13, 14]], device="cuda")
+    triton_kernels.step_context(table_cos, table_sin, pos, dtype, 2057)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cos, sin, mask = triton_kernels.step_context(table_cos, table_sin, pos, dtype, 2057)
+    for shift in (0, 1000, 2040):
+        pos.add_(shift)
+        graph.replay()
+        assert torch.equal(cos, table_cos[pos].to(dtype)[:, None]) and torch.equal(sin, table_sin[pos].to(dtype)[:, None])
+        assert torch.equal(mask, visibility_mask(pos, 2057))
+
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from tests.gpu.test_cuda_graphs import tiny_target
+
+    model = tiny_target(dtype)
+    model.fuse_for_inference(compile=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16]]
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(triton_kernels, "CONTEXT", on)
+        eng = DecodeEngine(model, None, max_batch_size=2, max_seq_len=128)
+        outs.append([r.token_ids for r in generate(eng, prompts, SamplingParams(max_new_tokens=24, eos_token_ids=()))])
+    assert outs[0] == outs[1]
