@@ -23,6 +23,7 @@ times; ms per replay (`graph_ms`, back to back), ms per replay waited for one at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -189,13 +190,10 @@ def attention_calls() -> None:
             label = splits or "auto"
             row[f"triton_{label}_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, splits=splits)), 2)
             row[f"triton_{label}_max_error"] = round((triton_attention(q, k, v, mask, splits=splits).float() - ref).abs().max().item(), 4)
-        saved, ta.INLINE_MERGE = ta.INLINE_MERGE, True  # the splits merged by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)
-        try:
+        with overridden(ta, INLINE_MERGE=True):  # the splits merged by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)
             row["triton_auto_inline_merge_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, positions=pos)), 2)
             row["triton_auto_inline_merge_max_error"] = round(
                 (triton_attention(q, k, v, mask, positions=pos).float() - ref).abs().max().item(), 4)
-        finally:
-            ta.INLINE_MERGE = saved
         row["triton_auto_positions_us"] = round(per_call_us(lambda: triton_attention(q, k, v, mask, positions=pos)), 2)
         print(json.dumps(row), flush=True)
 
@@ -227,6 +225,19 @@ def sampling_calls() -> None:
             triton_kernels.SAMPLING = fast
             row["kernels_us" if fast else "torch_us"] = round(per_call_us(fn), 2)
         print(json.dumps(row), flush=True)
+
+
+@contextlib.contextmanager
+def overridden(module, **values):
+    """Module-level switches set to `values` for the block (a sweep's or a comparison's setting), then restored."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def setting_us(call, ref: torch.Tensor) -> list[float] | str:
@@ -270,13 +281,10 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
             x = norm_w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
             return triton_kernels.vocab_projection(x, w), x.to(hidden.dtype)
 
-        saved, triton_kernels.VOCAB_NORM = triton_kernels.VOCAB_NORM, True
-        try:
+        with overridden(triton_kernels, VOCAB_NORM=True):
             row["norm_then_projection_us"] = round(per_call_us(torch_norm_then_kernel), 2)
             row["norm_in_projection_us"] = round(per_call_us(
                 lambda: triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)), 2)
-        finally:
-            triton_kernels.VOCAB_NORM = saved
         print(json.dumps(row), flush=True)
 
 
@@ -294,8 +302,7 @@ def proj_calls(rows: tuple[int, ...] = (1, 6, 16), out: str | None = None) -> st
 
     totals: dict[str, list[float]] = {}
     cases = 0
-    saved, triton_layer.PROJ = triton_layer.PROJ, True
-    try:
+    with overridden(triton_layer, PROJ=True):
         for k_in, n in itertools.product((576, 1536), rows):
             x = torch.randn(n, k_in, device="cuda").bfloat16()
             w = (torch.randn(576, k_in, device="cuda") * k_in ** -0.5).bfloat16()
@@ -311,8 +318,6 @@ def proj_calls(rows: tuple[int, ...] = (1, 6, 16), out: str | None = None) -> st
                 cases += 1
                 for key, us in timed.items():
                     totals.setdefault(key, []).append(us)
-    finally:
-        triton_layer.PROJ = saved
     complete = {key: sum(times) for key, times in totals.items() if len(times) == cases}  # timed at every size
     if not complete:
         return None

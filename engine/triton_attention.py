@@ -250,7 +250,8 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, out, counts if counts is not None else q,
                                 *q.stride(), *k.stride(), *v.stride(), mb, mt, ms, *part.stride()[1:], part.stride(0),
                                 *lse.stride()[1:], lse.stride(0), *pos_strides, *out.stride(), t, s, per_split, n_split,
-                                scale, SPLIT=True, INLINE_MERGE=counts is not None, FENCE=q.is_cuda, **common)
+                                scale, SPLIT=True, INLINE_MERGE=counts is not None, FENCE=counts is not None and q.is_cuda,
+                                **common)
     if counts is None:
         merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
                                SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1, **pdl(q))

@@ -307,7 +307,7 @@ def _kernels():
                             D: tl.constexpr, DP: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
         """Program (i, j) for new token i = (row, token): block j of its visibility-mask row (slot s visible iff
         s <= its position), and for j = 0 its position's cos and sin rows in the output's dtype."""
-        if PDL:
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
             gdc_wait()
             gdc_launch_dependents()
         i = tl.program_id(0)

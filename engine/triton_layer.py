@@ -117,8 +117,9 @@ def _tiles(n: int) -> int:
     return -(-n // TILE_ROWS)  # tl.dot's smallest tile is 16 rows
 
 
-def _block_k(hidden: int) -> int:
-    return min(CONFIG["k"], max(16, 1 << (hidden - 1).bit_length()))
+def _block_k(hidden: int, step: int | None = None) -> int:
+    """Features a step of the reduction: `step` (default CONFIG's k), at most the row rounded up to a power of two."""
+    return min(CONFIG["k"] if step is None else step, max(16, 1 << (hidden - 1).bit_length()))
 
 
 def _dtype_ok(*tensors: torch.Tensor | None) -> bool:
@@ -226,6 +227,6 @@ def project(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -
     out = torch.empty(n, n_out, device=x.device, dtype=x.dtype)
     _kernels()[2][(-(-n_out // cfg["n"]), _tiles(n))](
         x, weight, out, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, N=n_out, BLOCK_M=TILE_ROWS, BLOCK_N=cfg["n"], BLOCK_K=min(cfg["k"], max(16, 1 << (k - 1).bit_length())),
+        K=k, N=n_out, BLOCK_M=TILE_ROWS, BLOCK_N=cfg["n"], BLOCK_K=_block_k(k, cfg["k"]),
         num_warps=cfg["w"], num_stages=cfg["s"], **pdl(x))
     return out

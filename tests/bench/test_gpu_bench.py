@@ -262,3 +262,20 @@ def test_a_swept_setting_without_a_time_says_why():
 
     assert setting_us(lambda: None, torch.zeros(1)) == "declined"
     assert setting_us(fails, torch.zeros(1)) == "RuntimeError"
+
+
+def test_overridden_sets_module_switches_for_a_block_and_restores_them_after_an_error():
+    import types
+
+    from bench.round_profile import overridden
+
+    module = types.SimpleNamespace(PROJ=False, INLINE_MERGE=True)
+    with overridden(module, PROJ=True, INLINE_MERGE=False):
+        assert module.PROJ is True and module.INLINE_MERGE is False
+    assert module.PROJ is False and module.INLINE_MERGE is True
+    try:
+        with overridden(module, PROJ=True):
+            raise RuntimeError("a setting that does not compile")
+    except RuntimeError:
+        pass
+    assert module.PROJ is False
