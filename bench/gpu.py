@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 import traceback
@@ -57,6 +56,7 @@ import torch
 from bench.ar import setup_line
 from engine import triton_attention, triton_kernels, triton_layer
 from engine.attention import BACKENDS
+from engine.scheduler import prefill_graphs_default
 
 
 DOMAINS = ("code", "general", "dialog")
@@ -807,7 +807,7 @@ def main_table(bench: Bench, args) -> list[str]:
              + f"; programmatic dependent launch {'on' if triton_kernels.PDL else 'off (FLASHSPEC_PDL=0)'}"
              + f"; output/down projections {'Triton kernel' if triton_layer.PROJ else 'cuBLAS (FLASHSPEC_PROJ_KERNEL=0)'}"
              + f"; attention splits merged {'by their last program (FLASHSPEC_ATTN_INLINE_MERGE=1)' if triton_attention.INLINE_MERGE else 'by a merge kernel'}"
-             + f"; prefill {'as CUDA graphs (FLASHSPEC_PREFILL_GRAPHS=1)' if os.environ.get('FLASHSPEC_PREFILL_GRAPHS') == '1' else 'eager'}"
+             + f"; prefill {'as CUDA graphs' if prefill_graphs_default() else 'eager (FLASHSPEC_PREFILL_GRAPHS=0)'}"
              + f"; a pass's cos, sin and mask {'in one launch (FLASHSPEC_CONTEXT_KERNEL=1)' if triton_kernels.CONTEXT else 'as torch ops'}",
              "",
              "| setting | path | tokens/s | vs engine AR | vs engine AR (fused) | vs transformers static | "

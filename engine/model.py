@@ -229,7 +229,7 @@ class DecoderLayer(nn.Module):
         ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
         attn, mlp = self.self_attn, self.mlp
         # The layer kernels (engine/triton_layer.py) take decode, draft and verify steps, not a prefill, and only
-        # for a batch all of whose short steps they serve (batch 1 by default; triton_layer.MAX_ROWS): then
+        # for a batch all of whose short steps they serve (batches up to 8 by default; triton_layer.MAX_ROWS): then
         # every short step of a request runs the same kernels, so its speculative rounds and its plain decoding
         # round alike. Where a batch's decode steps (8 rows) took them and its verify passes (48 rows) did not,
         # greedy tokens differed between the two in bf16 (bench/RESULTS.md, run 24).

@@ -11,9 +11,9 @@ is a large share of the step. This kernel does the whole call in one launch:
 * the visibility mask is read as it is (any mask: causal by position, deep-draft windows, padding);
 * online softmax in fp32 over blocks of the cache (flash-decoding), each split writing a partial
   result and its log-sum-exp; a small second kernel merges the splits (one program per output row, all
-  splits at once; one split: no merge kernel). With FLASHSPEC_ATTN_INLINE_MERGE=1 (off until measured on
-  the GPU) there is no second kernel: each (row, KV head)'s last split program to finish, found by a
-  count in global memory, merges that group's splits itself.
+  splits at once; one split: no merge kernel). With FLASHSPEC_ATTN_INLINE_MERGE=1 (off: 2-2.3x
+  slower a call on the H200, bench/RESULTS.md run 31) there is no second kernel: each (row, KV head)'s
+  last split program to finish, found by a count in global memory, merges that group's splits itself.
 
 Queries whose mask shows them no key get zeros (SDPA would give NaN; the engine never asks for such a
 row except on padding rows, whose output nobody reads). fp32 inputs are multiplied in IEEE fp32 (not
@@ -167,8 +167,8 @@ def _kernels():
     return attend, merge
 
 
-# A split call's last program merges the splits (no merge kernel): off until measured on the GPU,
-# FLASHSPEC_ATTN_INLINE_MERGE=1 turns it on.
+# A split call's last program merges the splits (no merge kernel). Off: on the H200 a call took 2-2.3x as long
+# as the split and merge kernels together (bench/RESULTS.md, run 31). FLASHSPEC_ATTN_INLINE_MERGE=1 turns it on.
 INLINE_MERGE = os.environ.get("FLASHSPEC_ATTN_INLINE_MERGE", "0") == "1"
 _COUNTS: dict[torch.device, torch.Tensor] = {}
 

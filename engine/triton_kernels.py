@@ -429,7 +429,8 @@ def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
 
 # A forward pass's shared inputs (`Transformer.context`: the new tokens' cos and sin rows and their visibility mask) in
 # one launch instead of six small ones (two gathers, two casts, an arange and a comparison); a speculative round
-# builds about 2 gamma + 2 of them. Off until measured on the GPU: FLASHSPEC_CONTEXT_KERNEL=1 turns it on.
+# builds about 2 gamma + 2 of them. Off: on the H200 it took 3.8 % off a round's graphs but end to end its effect
+# was inside the spread between processes (bench/RESULTS.md, run 31). FLASHSPEC_CONTEXT_KERNEL=1 turns it on.
 CONTEXT = os.environ.get("FLASHSPEC_CONTEXT_KERNEL", "0") == "1"
 CONTEXT_BLOCK = 1024  # mask slots a program writes
 

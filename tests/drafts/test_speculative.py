@@ -765,6 +765,18 @@ def test_warmup_captures_every_prefill_graph_admissions_run(target, monkeypatch)
     assert eng.graphs.captures == warmed
 
 
+def test_prefill_graphs_are_on_by_default_wherever_graphs_are(target, monkeypatch):
+    """An engine that captures graphs runs its prefills as graphs too unless FLASHSPEC_PREFILL_GRAPHS=0; one
+    that captures none (the CPU default) runs them eagerly whatever the environment says."""
+    monkeypatch.delenv("FLASHSPEC_PREFILL_GRAPHS", raising=False)
+    assert DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate").prefill_graphs
+    assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32).prefill_graphs  # no graphs on the CPU
+    assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate",
+                            prefill_graphs=False).prefill_graphs
+    monkeypatch.setenv("FLASHSPEC_PREFILL_GRAPHS", "0")
+    assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate").prefill_graphs
+
+
 def test_replacing_a_draft_drops_its_graphs(target):
     eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(3, 3), cuda_graphs="emulate")
     first = oracle(target)

@@ -123,8 +123,8 @@ def test_steps_that_capture_a_graph_or_compile_are_not_cost_samples(tiny, monkey
     samples = []
     gov.observe_ar = lambda rows, seconds, tokens: samples.append(tokens)
     generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
-    # Prefill + 5 steps at one KV bucket: the first decode step captures, the other 4 are samples.
-    assert samples == [1, 1, 1, 1] and eng.graphs.captures == 1
+    # Prefill (its own graph) + 5 steps at one KV bucket: the first decode step captures, the other 4 are samples.
+    assert samples == [1, 1, 1, 1] and eng.graphs.captures == 2
     eng.graphs, samples[:] = GraphCache(enabled=False), []  # nothing captured: every plain step is a sample
     generate(eng, [[1, 2, 3]], SamplingParams(max_new_tokens=6, eos_token_ids=()))
     assert len(samples) == 5

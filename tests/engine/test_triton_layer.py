@@ -174,9 +174,11 @@ def test_projection_launch_settings_from_the_environment_are_checked():
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
     assert load("n=32, w=8").stdout.strip() == "{'n': 32, 'k': 2048, 'w': 8, 's': 1} True"  # on by default
-    rows = {**os.environ, "FLASHSPEC_LAYER_ROWS": "128"}
     code = "import engine.triton_layer as t; print(t.MAX_ROWS)"
-    assert subprocess.run([sys.executable, "-c", code], env=rows, capture_output=True, text=True).stdout.strip() == "128"
+    unset = {key: v for key, v in os.environ.items() if key != "FLASHSPEC_LAYER_ROWS"}
+    assert subprocess.run([sys.executable, "-c", code], env=unset, capture_output=True, text=True).stdout.strip() == "128"
+    rows = {**os.environ, "FLASHSPEC_LAYER_ROWS": "16"}  # batch 1 only
+    assert subprocess.run([sys.executable, "-c", code], env=rows, capture_output=True, text=True).stdout.strip() == "16"
     done = subprocess.run([sys.executable, "-c", code], env={**rows, "FLASHSPEC_LAYER_ROWS": "eight"},
                           capture_output=True, text=True)
     assert done.returncode != 0 and "FLASHSPEC_LAYER_ROWS='eight'" in done.stderr and "e.g. 16 or 128" in done.stderr
