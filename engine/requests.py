@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
+from engine.governor import REQUEST_WINDOW
 from engine.sampling import RandomStream, SamplingParams
 
 
@@ -38,6 +40,8 @@ class SpecStats:
     accepted_by_position: list[int] = dataclasses.field(default_factory=list)  # accepted count at draft position i
     drafted_by_position: list[int] = dataclasses.field(default_factory=list)
     emitted: int = 0  # tokens produced by rounds (accepted + recovered/bonus)
+    # tokens each of its last rounds produced: what the governor judges a request running alone by
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=REQUEST_WINDOW))
 
     @property
     def acceptance_rate(self) -> float:
@@ -54,6 +58,7 @@ class SpecStats:
         self.drafted += drafted
         self.accepted += accepted
         self.emitted += accepted + 1
+        self.recent.append(accepted + 1)
         while len(self.drafted_by_position) < drafted:
             self.drafted_by_position.append(0)
             self.accepted_by_position.append(0)

@@ -437,7 +437,7 @@ class DecodeEngine:
             outputs.append(self._commit(s, result.tokens[i]))
             if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
                     and self._governor_decides(s.request)
-                    and not self.governor.keep_speculating(governed(s.request), running)):
+                    and not self.governor.keep_speculating(governed(s.request), running, s.stats.recent)):
                 s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
 
