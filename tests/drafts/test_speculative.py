@@ -996,6 +996,26 @@ def test_an_overlapped_round_chain_makes_way_for_a_request_and_survives_a_cancel
     assert eng.chained > 0 and not eng.has_work()
 
 
+def test_an_overlapped_lone_request_its_draft_fits_badly_drops_to_plain_decoding(target):
+    """The governor's per-request rule with a round in flight: an untrained draft (about 1 token a round) whose
+    measured average pays; alone, the request drops to plain decoding after a full window of its own rounds
+    (plus the one already launched), with plain decoding's tokens."""
+    from engine.governor import REQUEST_WINDOW, SpeculationGovernor
+
+    bad = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
+    gov = SpeculationGovernor(min_samples=2)
+    for _ in range(16):  # the draft pays on average: 15 ms rounds of 3 tokens against 10 ms a plain token
+        gov.observe_ar(1, 0.010, 1)
+        gov.observe_spec("d0", 1, 0.015, 3)
+    gov.observe_ar = gov.observe_spec = lambda *args: None  # ... and this CPU's timings do not change that
+    eng, names = _overlap_engine(target, [bad], True, governor=gov)
+    out = generate(eng, prompts_for(target.args.vocab_size, (5,)), SamplingParams(max_new_tokens=80, eos_token_ids=()),
+                   names)[0]
+    assert out.token_ids == ar_greedy(target, (5,), 80)[0]
+    assert REQUEST_WINDOW <= out.stats.rounds <= REQUEST_WINDOW + 1 and gov.decisions["dropped"] == 1
+    assert eng.chained > 0 and not eng.has_work()
+
+
 def test_a_round_settles_each_stream_a_fixed_budget_past_its_start_and_never_back():
     from engine.sampling import RandomStream
     from engine.speculative import round_draws, settle_draws
