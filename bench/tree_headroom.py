@@ -58,16 +58,20 @@ def top_k_coverage(target, draft, sequences: list[list[int]], starts: list[int],
 
 @torch.no_grad()
 def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list[int],
-                         branching: tuple[int, ...]) -> dict[str, float]:
+                         branching: tuple[int, ...], lookup=None) -> dict[str, float]:
     """Greedy rounds of a static tree (`branching[d]` candidates under each node at depth d) over known
     greedy replies: sequences[i][starts[i]] is the first reply token (the prefill's), each round drafts from
     the pending token, accepts the longest matching path and takes the next reply token after it. ->
     {"rounds", "tokens" (produced by rounds), "tokens_per_round", "nodes_per_round", "survival": S(1..depth),
     the probability that a round's first k drafted tokens are accepted (k = 1..depth; rounds whose reply ends
-    before position k do not count at k), as the gamma controller estimates it from the engine's rounds}."""
+    before position k do not count at k), as the gamma controller estimates it from the engine's rounds}.
+
+    lookup: a drafter without a model (`bench.ngram_headroom.ngram_lookup`), tokens so far -> proposed next
+    tokens; where it proposes any, the round verifies those instead of drafting the tree
+    ("lookup_rounds", "lookup_tokens"; the other counts, survival included, are the tree's rounds only)."""
     device = target.embed_tokens.weight.device
     deep = draft.feature_input == "deep"
-    rounds = produced = 0
+    rounds = produced = lookup_rounds = lookup_tokens = 0
     reached, passed = [0] * len(branching), [0] * len(branching)  # per position k: rounds that got to it, accepted it
     nodes = sum(int(torch.tensor(branching[: d + 1]).prod()) for d in range(len(branching)))
 
@@ -80,6 +84,15 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
         _, feats, _, root_scores, root_out = teacher_forced(target, draft, tokens)  # the first drafted token, every position
         t = start
         while t < len(seq) - 1:
+            proposed = lookup(seq[: t + 1]) if lookup is not None else []
+            if proposed:  # verified as they are: the longest matching prefix, then the target's next token
+                accepted = next((i for i, tok in enumerate(proposed) if t + 1 + i >= len(seq) or tok != seq[t + 1 + i]),
+                                len(proposed))
+                step = min(accepted + 1, len(seq) - 1 - t)
+                lookup_rounds += 1
+                lookup_tokens += step
+                t += step
+                continue
             # Depth 1: the root's candidates. A level: paths (n, d) of drafted tokens, their proxies (n, d, H).
             paths = best(root_scores[0, t], branching[0])[:, None]
             proxies = draft.proxy_feature(root_out[0, t])[None, None].expand(len(paths), 1, -1)
@@ -116,8 +129,11 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
     for r, a in zip(reached, passed):
         alive *= a / r if r else 0.0
         survival.append(round(alive, 4))
-    return {"rounds": rounds, "tokens": produced, "tokens_per_round": produced / max(rounds, 1),
-            "nodes_per_round": nodes, "survival": survival}
+    out = {"rounds": rounds, "tokens": produced, "tokens_per_round": produced / max(rounds, 1),
+           "nodes_per_round": nodes, "survival": survival}
+    if lookup is not None:
+        out.update(lookup_rounds=lookup_rounds, lookup_tokens=lookup_tokens)
+    return out
 
 
 def engine_chain_rounds(model, tokenizer, draft, prompts: list[list[int]], tokens: int, gamma: int,

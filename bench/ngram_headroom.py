@@ -1,0 +1,149 @@
+"""What a drafter without a model could add: n-gram lookup in the request's own tokens, played over the
+target's greedy replies, alone and beside the domain's draft.
+
+    python -m bench.ngram_headroom --domain code --prompts 8 --tokens 192 --gamma 5
+    python -m bench.ngram_headroom --domain dialog --shape request     # the plain held-out requests
+
+Prompt lookup (n-gram) drafting proposes, after the request's last n tokens, the tokens that followed the
+most recent earlier occurrence of those n tokens in the prompt or the reply so far (n = max_n down to
+min_n; nothing where none occurs). It needs no weights, and its round is one verify pass: on the H200 a
+6-token verify pass costs about 1.08 decode steps, where a model draft's gamma-5 round costs about 2.3
+(bench/RESULTS.md runs 24 and 31). Greedy verification keeps the target's own tokens whatever is proposed.
+
+Three ways of playing the same greedy replies, each from the first reply token on (the prefill's):
+* "draft": the domain's draft, gamma-chains, as `bench.tree_headroom` plays them (the engine's rounds);
+* "lookup": a lookup round where the request's tokens propose anything, else a plain decoding step;
+* "hybrid": a lookup round where they propose anything, else the draft's round.
+Each row has its rounds and tokens a round, and a projected speed-up over plain decoding from the H200's
+graph times (`--step-ms`, `--verify-ms`, `--draft-token-ms`): a projection, not a measurement; the host's
+share and the lookup's own cost are not in it.
+
+`--shape long` (the default) plays the GPU benchmark's long prompt shape, built from this split: the request
+with the next rows' documents appended to 512 tokens (`bench.export_prompts.shaped_prompts`); `request`
+plays the plain requests (`training.evaluate.held_out_prompts`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import torch
+
+from bench.draft_temperature import replies_parser, target_replies
+from bench.tree_headroom import simulate_tree_rounds
+
+
+def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 2) -> list[int]:
+    """Up to gamma tokens that followed the most recent earlier occurrence of the last n tokens (n = max_n
+    down to min_n, the longest that occurs); [] where none occurs."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):  # the most recent first; never the suffix itself
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + gamma]
+    return []
+
+
+def play_lookup(sequences: list[list[int]], starts: list[int], lookup: Callable[[list[int]], list[int]]) -> dict:
+    """Lookup rounds where `lookup` proposes tokens, plain decoding steps elsewhere, over known greedy replies
+    (sequences[i][starts[i]] the first reply token). -> {"lookup_rounds", "lookup_tokens", "plain_steps",
+    "tokens"}."""
+    rounds = made = steps = 0
+    for seq, start in zip(sequences, starts):
+        t = start
+        while t < len(seq) - 1:
+            proposed = lookup(seq[: t + 1])
+            if not proposed:
+                steps += 1
+                t += 1
+                continue
+            accepted = next((i for i, tok in enumerate(proposed) if t + 1 + i >= len(seq) or tok != seq[t + 1 + i]),
+                            len(proposed))
+            step = min(accepted + 1, len(seq) - 1 - t)
+            rounds += 1
+            made += step
+            t += step
+    return {"lookup_rounds": rounds, "lookup_tokens": made, "plain_steps": steps, "tokens": made + steps}
+
+
+def projected(tokens: int, step_ms: float, plain_steps: int = 0, lookup_rounds: int = 0, draft_rounds: int = 0,
+              verify_ms: float = 0.0, round_ms: float = 0.0) -> float:
+    """Plain decoding's time for `tokens` over the time of these steps and rounds."""
+    spent = plain_steps * step_ms + lookup_rounds * verify_ms + draft_rounds * round_ms
+    return tokens * step_ms / spent if spent else 0.0
+
+
+def prompts_of(shape: str, domain: str, tokenizer, n: int, split: str) -> list[list[int]]:
+    if shape == "request":
+        from training.evaluate import held_out_prompts
+
+        return held_out_prompts(domain, tokenizer, n, split)
+    from bench.export_prompts import shaped_prompts
+    from training.corpora import load_domain
+
+    rows = load_domain(domain, split)
+    longs, _ = shaped_prompts(tokenizer, list(rows.select(range(min(len(rows), 8 * n)))), n)
+    return longs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = replies_parser(__doc__.splitlines()[0], "greedy reply tokens per prompt")
+    parser.add_argument("--gamma", type=int, default=5, help="tokens a round drafts or looks up")
+    parser.add_argument("--max-n", type=int, default=3)
+    parser.add_argument("--min-n", type=int, default=2)
+    parser.add_argument("--shape", choices=("long", "request"), default="long")
+    parser.add_argument("--step-ms", type=float, default=0.732, help="a decode step's graph (H200, run 31)")
+    parser.add_argument("--verify-ms", type=float, default=0.79,
+                        help="a verify pass of gamma + 1 tokens (H200: 1.08 steps, run 24)")
+    parser.add_argument("--draft-token-ms", type=float, default=0.174,
+                        help="a drafted token of the shipped drafts (H200 run 31: a gamma-5 round 1.661 ms less the verify pass, / 5)")
+    args = parser.parse_args(argv)
+    if args.gamma < 1 or not 1 <= args.min_n <= args.max_n:
+        raise SystemExit(f"--gamma {args.gamma} --min-n {args.min_n} --max-n {args.max_n}: give gamma >= 1 and "
+                         "1 <= min-n <= max-n, e.g. --gamma 5 --min-n 2 --max-n 3")
+    from bench.gpu import load_drafts
+    from engine.loading import load_model
+
+    loaded = load_model("default", device=args.device)
+    drafts = load_drafts(args.drafts, loaded.model)
+    if args.domain not in drafts:
+        raise SystemExit(f"no {args.domain} draft under {args.drafts}: give --drafts a folder with {args.domain}/")
+    prompts = prompts_of(args.shape, args.domain, loaded.tokenizer, args.prompts, args.split)
+    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
+    starts = [len(p) for p in prompts]
+
+    def lookup(tokens: list[int]) -> list[int]:
+        return ngram_lookup(tokens, args.gamma, args.max_n, args.min_n)
+
+    chain = (1,) * args.gamma
+    round_ms = args.verify_ms + args.gamma * args.draft_token_ms
+    with torch.no_grad():
+        draft = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, starts, chain)
+        hybrid = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, starts, chain, lookup=lookup)
+    alone = play_lookup(sequences, starts, lookup)
+    tokens = alone["tokens"]
+    head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
+            "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
+    rows = {
+        "draft": {"rounds": draft["rounds"], "tokens_per_round": draft["tokens_per_round"],
+                  "projected": projected(tokens, args.step_ms, draft_rounds=draft["rounds"], round_ms=round_ms)},
+        "lookup": {"lookup_rounds": alone["lookup_rounds"], "plain_steps": alone["plain_steps"],
+                   "tokens_per_lookup_round": alone["lookup_tokens"] / max(alone["lookup_rounds"], 1),
+                   "tokens_in_lookup_rounds": alone["lookup_tokens"] / max(tokens, 1),
+                   "projected": projected(tokens, args.step_ms, plain_steps=alone["plain_steps"],
+                                          lookup_rounds=alone["lookup_rounds"], verify_ms=args.verify_ms)},
+        "hybrid": {"lookup_rounds": hybrid["lookup_rounds"], "draft_rounds": hybrid["rounds"],
+                   "tokens_per_lookup_round": hybrid["lookup_tokens"] / max(hybrid["lookup_rounds"], 1),
+                   "tokens_per_draft_round": hybrid["tokens_per_round"],
+                   "projected": projected(tokens, args.step_ms, lookup_rounds=hybrid["lookup_rounds"],
+                                          draft_rounds=hybrid["rounds"], verify_ms=args.verify_ms, round_ms=round_ms)},
+    }
+    for name, row in rows.items():
+        print(json.dumps({**head, "play": name, **{k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

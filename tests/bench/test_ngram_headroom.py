@@ -1,0 +1,63 @@
+"""bench.ngram_headroom: n-gram lookup drafting played over known replies, alone and beside a draft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.ngram_headroom import main, ngram_lookup, play_lookup, projected
+from drafts.config import DraftConfig
+from drafts.model import DraftModel
+
+
+def test_lookup_takes_the_longest_suffix_that_occurred_before_at_its_most_recent_place():
+    assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" last seen before 7
+    assert ngram_lookup([5, 2, 3, 8, 6, 2, 3], 4) == [8, 6, 2, 3]  # "2 3" (no earlier "6 2 3")
+    assert ngram_lookup([4, 5, 6, 5], 3) == []  # only "5" recurs: shorter than min_n 2
+    assert ngram_lookup([4, 5, 6, 5], 3, min_n=1) == [6, 5]
+    assert ngram_lookup([1, 2, 1, 2], 5) == [1, 2]  # what there is after the match, up to gamma
+    assert ngram_lookup([3, 3, 3], 2) == [3]  # the suffix itself never counts as its own earlier occurrence
+    assert ngram_lookup([7], 3) == [] and ngram_lookup([], 3) == []
+
+
+def test_lookup_rounds_over_a_repeating_reply_and_plain_steps_where_nothing_recurs():
+    seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1]  # prompt [1, 2, 3, 4], reply from index 4 on
+    got = play_lookup([seq], [4], lambda toks: ngram_lookup(toks, 3))
+    # t=4 (context 1 2 3 4 1): neither "3 4 1" nor "4 1" occurred before, a plain step; t=5: "1 2" at 0 ->
+    # [3, 4, 1], all kept, +4 (t=9); t=9: "4 1 2" at 3 -> [3, 4, 1], the last 3 tokens of the reply (t=12)
+    assert got == {"lookup_rounds": 2, "lookup_tokens": 7, "plain_steps": 1, "tokens": 8}
+    fresh = play_lookup([[9, 8, 7, 6, 5, 4, 3]], [2], lambda toks: ngram_lookup(toks, 3))
+    assert fresh == {"lookup_rounds": 0, "lookup_tokens": 0, "plain_steps": 4, "tokens": 4}
+    wrong = play_lookup([[1, 2, 3, 1, 2, 5, 6]], [3], lambda toks: ngram_lookup(toks, 2))  # [3, 1] proposed, 5 comes
+    assert wrong["lookup_rounds"] >= 1 and wrong["tokens"] == 3
+    assert projected(8, 1.0, lookup_rounds=2, verify_ms=1.0) == 4.0 and projected(4, 1.0, plain_steps=4) == 1.0
+
+
+def test_a_draft_s_simulated_rounds_give_way_to_lookup_rounds_where_lookup_proposes(tiny):
+    from bench.draft_temperature import target_replies
+    from bench.tree_headroom import simulate_tree_rounds
+
+    target = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+    prompts = [[1, 2, 3], [4, 0, 6, 2, 5]]
+    seqs = target_replies(target, None, prompts, 20)
+    starts = [len(p) for p in prompts]
+    with torch.no_grad():
+        alone = simulate_tree_rounds(target, draft, seqs, starts, (1, 1, 1))
+        never = simulate_tree_rounds(target, draft, seqs, starts, (1, 1, 1), lookup=lambda toks: [])
+        assert {k: never[k] for k in alone} == alone and never["lookup_rounds"] == 0
+
+        def oracle(toks):  # proposes the reply's next 3 tokens: every round a lookup round, 4 tokens each
+            seq = next(s for s in seqs if s[: len(toks)] == toks)
+            return seq[len(toks): len(toks) + 3]
+
+        known = simulate_tree_rounds(target, draft, seqs, starts, (1, 1, 1), lookup=oracle)
+    assert known["rounds"] == 0 and known["lookup_tokens"] == 2 * 19
+    assert known["lookup_rounds"] == 2 * -(-19 // 4)
+
+
+def test_bad_options_are_refused_with_the_fix():
+    with pytest.raises(SystemExit, match="--gamma 0"):
+        main(["--gamma", "0"])
+    with pytest.raises(SystemExit, match="min-n <= max-n"):
+        main(["--min-n", "3", "--max-n", "2"])

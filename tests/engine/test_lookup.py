@@ -1,0 +1,53 @@
+"""engine.lookup.propose: batched n-gram lookup on the device, the reference rule's proposals for every row."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from bench.ngram_headroom import ngram_lookup
+from engine.lookup import propose
+
+
+def _rows(seed: int, count: int, width: int) -> list[list[int]]:
+    """Histories with repeats planted in them (copied spans), of every length up to width, over a small vocab."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        length = rng.randint(0, width)
+        toks = [rng.randrange(6) for _ in range(length)]
+        for _ in range(rng.randint(0, 3)):  # copy a span to a later place
+            if length >= 6:
+                a, c = rng.randrange(length - 3), rng.randrange(2, 5)
+                d = rng.randrange(length - c + 1)
+                toks[d:d + c] = toks[a:a + c][: length - d]
+        rows.append(toks)
+    return rows
+
+
+@pytest.mark.parametrize("gamma,max_n,min_n", [(5, 3, 2), (3, 3, 1), (4, 2, 2), (1, 4, 1)])
+def test_every_row_gets_the_reference_rule_s_proposal(gamma, max_n, min_n):
+    width = 40
+    rows = _rows(gamma * 10 + max_n + min_n, 64, width)
+    history = torch.full((len(rows), width + 8), 99)  # past each row's length: tokens that must not count
+    for i, toks in enumerate(rows):
+        history[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
+    lengths = torch.tensor([len(t) for t in rows])
+    proposals, counts = propose(history, lengths, gamma, max_n, min_n)
+    for i, toks in enumerate(rows):
+        want = ngram_lookup(toks, gamma, max_n, min_n)
+        assert proposals[i, :counts[i]].tolist() == want, (toks, want)
+    assert (counts > 0).any() and (counts == 0).any()  # both kinds of rows are in the sample
+
+
+def test_it_runs_inside_a_graph_shaped_call_and_refuses_bad_settings():
+    history = torch.tensor([[1, 2, 3, 1, 2, 0, 0], [4, 4, 4, 4, 0, 0, 0]])
+    proposals, counts = propose(history, torch.tensor([5, 4]), 3)
+    assert proposals.shape == (2, 3) and counts.tolist() == [3, 1]
+    assert proposals[0].tolist() == [3, 1, 2] and proposals[1, :1].tolist() == [4]
+    with pytest.raises(ValueError, match="gamma"):
+        propose(history, torch.tensor([5, 4]), 0)
+    with pytest.raises(ValueError, match="min_n"):
+        propose(history, torch.tensor([5, 4]), 2, max_n=1, min_n=2)
