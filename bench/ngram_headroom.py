@@ -18,6 +18,9 @@ Each row has its rounds and tokens a round, and a projected speed-up over plain 
 graph times (`--step-ms`, `--verify-ms`, `--draft-token-ms`): a projection, not a measurement; the host's
 share and the lookup's own cost are not in it.
 
+`--temperature T` samples the replies at T instead and gives, for every position where lookup proposes, a
+lookup round's expected tokens there (`expected_lookup_tokens`), with the same kind of projection.
+
 `--shape long` (the default) plays the GPU benchmark's long prompt shape, built from this split: the request
 with the next rows' documents appended to 512 tokens (`bench.export_prompts.shaped_prompts`); `request`
 plays the plain requests (`training.evaluate.held_out_prompts`).
@@ -31,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from bench.draft_temperature import replies_parser, target_replies
-from bench.tree_headroom import simulate_tree_rounds
+from bench.tree_headroom import simulate_tree_rounds, verified_step
 
 
 def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 2) -> list[int]:
@@ -59,13 +62,45 @@ def play_lookup(sequences: list[list[int]], starts: list[int], lookup: Callable[
                 steps += 1
                 t += 1
                 continue
-            accepted = next((i for i, tok in enumerate(proposed) if t + 1 + i >= len(seq) or tok != seq[t + 1 + i]),
-                            len(proposed))
-            step = min(accepted + 1, len(seq) - 1 - t)
+            step = verified_step(proposed, seq, t)
             rounds += 1
             made += step
             t += step
     return {"lookup_rounds": rounds, "lookup_tokens": made, "plain_steps": steps, "tokens": made + steps}
+
+
+@torch.no_grad()
+def expected_lookup_tokens(target, sequences: list[list[int]], starts: list[int],
+                           lookup: Callable[[list[int]], list[int]], temperature: float, batch: int = 8) -> dict:
+    """Over replies sampled at `temperature`: at every position t of a reply where `lookup` proposes tokens, the
+    tokens a lookup round there makes in expectation: 1 + sum_k p_1 ... p_k, p_j the target's probability (at
+    the temperature) of the j-th proposed token after the ones before it (rejection sampling keeps a proposed
+    token with its target probability, a proposal being all its draft distribution's mass).
+    -> {"positions", "proposed" (positions with a proposal), "expected_tokens" (their mean)}."""
+    device = target.embed_tokens.weight.device
+    jobs, positions = [], 0
+    for seq, start in zip(sequences, starts):
+        for t in range(start, len(seq) - 1):
+            positions += 1
+            proposal = lookup(seq[: t + 1])
+            if proposal:
+                jobs.append((seq[: t + 1], proposal))
+    expected = []
+    for i in range(0, len(jobs), batch):
+        chunk = jobs[i:i + batch]
+        width = max(len(c) + len(p) for c, p in chunk)
+        tokens = torch.zeros(len(chunk), width, dtype=torch.long, device=device)  # right-padded: causal, unread
+        for r, (c, p) in enumerate(chunk):
+            tokens[r, :len(c) + len(p)] = torch.tensor(c + p, device=device)
+        pos = torch.arange(width, device=device)[None].expand(len(chunk), -1)
+        final = target(tokens, pos, compute_logits=False).final_hidden  # (b, width, H), normed
+        for r, (c, p) in enumerate(chunk):
+            rows = final[r, len(c) - 1:len(c) - 1 + len(p)]  # predict the proposed tokens
+            probs = torch.softmax(target.lm_head(rows.to(target.lm_head.weight.dtype)).float() / temperature, dim=-1)
+            kept = probs.gather(1, torch.tensor(p, device=device)[:, None])[:, 0]
+            expected.append(1.0 + float(kept.cumprod(0).sum()))
+    return {"positions": positions, "proposed": len(expected),
+            "expected_tokens": sum(expected) / len(expected) if expected else 0.0}
 
 
 def projected(tokens: int, step_ms: float, plain_steps: int = 0, lookup_rounds: int = 0, draft_rounds: int = 0,
@@ -94,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-n", type=int, default=3)
     parser.add_argument("--min-n", type=int, default=2)
     parser.add_argument("--shape", choices=("long", "request"), default="long")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="above 0: replies sampled at it, and a lookup round's expected tokens at every position "
+                             "where lookup proposes (no draft rows)")
     parser.add_argument("--step-ms", type=float, default=0.732, help="a decode step's graph (H200, run 31)")
     parser.add_argument("--verify-ms", type=float, default=0.79,
                         help="a verify pass of gamma + 1 tokens (H200: 1.08 steps, run 24)")
@@ -111,11 +149,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.domain not in drafts:
         raise SystemExit(f"no {args.domain} draft under {args.drafts}: give --drafts a folder with {args.domain}/")
     prompts = prompts_of(args.shape, args.domain, loaded.tokenizer, args.prompts, args.split)
-    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
+    sequences = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens, args.temperature or None)
     starts = [len(p) for p in prompts]
 
     def lookup(tokens: list[int]) -> list[int]:
         return ngram_lookup(tokens, args.gamma, args.max_n, args.min_n)
+
+    head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
+            "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
+    if args.temperature > 0:
+        got = expected_lookup_tokens(loaded.model, sequences, starts, lookup, args.temperature)
+        share = got["proposed"] / max(got["positions"], 1)
+        # Every position as a round's start: a lookup round where it proposes, else a plain step.
+        rate = (share * got["expected_tokens"] + 1 - share) / (share * args.verify_ms / args.step_ms + 1 - share)
+        print(json.dumps({**head, "temperature": args.temperature, "play": "lookup, expected", **got,
+                          "expected_tokens": round(got["expected_tokens"], 3), "projected": round(rate, 3)}), flush=True)
+        return
 
     chain = (1,) * args.gamma
     round_ms = args.verify_ms + args.gamma * args.draft_token_ms
@@ -124,8 +173,6 @@ def main(argv: list[str] | None = None) -> None:
         hybrid = simulate_tree_rounds(loaded.model, drafts[args.domain], sequences, starts, chain, lookup=lookup)
     alone = play_lookup(sequences, starts, lookup)
     tokens = alone["tokens"]
-    head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
-            "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
     rows = {
         "draft": {"rounds": draft["rounds"], "tokens_per_round": draft["tokens_per_round"],
                   "projected": projected(tokens, args.step_ms, draft_rounds=draft["rounds"], round_ms=round_ms)},

@@ -56,6 +56,15 @@ def top_k_coverage(target, draft, sequences: list[list[int]], starts: list[int],
     return {k: hits[k] / max(count, 1) for k in ks}
 
 
+def verified_step(proposed: list[int], seq: list[int], t: int) -> int:
+    """Tokens a greedy round from position t of a known reply `seq` makes when it verifies `proposed` (the
+    tokens for t + 1, t + 2, ...): the longest prefix of them the reply matches, then the target's next token,
+    never past the reply's end."""
+    accepted = next((i for i, tok in enumerate(proposed) if t + 1 + i >= len(seq) or tok != seq[t + 1 + i]),
+                    len(proposed))
+    return min(accepted + 1, len(seq) - 1 - t)
+
+
 @torch.no_grad()
 def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list[int],
                          branching: tuple[int, ...], lookup=None) -> dict[str, float]:
@@ -85,10 +94,8 @@ def simulate_tree_rounds(target, draft, sequences: list[list[int]], starts: list
         t = start
         while t < len(seq) - 1:
             proposed = lookup(seq[: t + 1]) if lookup is not None else []
-            if proposed:  # verified as they are: the longest matching prefix, then the target's next token
-                accepted = next((i for i, tok in enumerate(proposed) if t + 1 + i >= len(seq) or tok != seq[t + 1 + i]),
-                                len(proposed))
-                step = min(accepted + 1, len(seq) - 1 - t)
+            if proposed:  # verified as they are
+                step = verified_step(proposed, seq, t)
                 lookup_rounds += 1
                 lookup_tokens += step
                 t += step

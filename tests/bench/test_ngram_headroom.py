@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.ngram_headroom import main, ngram_lookup, play_lookup, projected
+from bench.ngram_headroom import expected_lookup_tokens, main, ngram_lookup, play_lookup, projected
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
 
@@ -54,6 +54,22 @@ def test_a_draft_s_simulated_rounds_give_way_to_lookup_rounds_where_lookup_propo
         known = simulate_tree_rounds(target, draft, seqs, starts, (1, 1, 1), lookup=oracle)
     assert known["rounds"] == 0 and known["lookup_tokens"] == 2 * 19
     assert known["lookup_rounds"] == 2 * -(-19 // 4)
+
+
+def test_expected_tokens_of_a_lookup_round_are_the_products_of_the_target_s_probabilities(tiny):
+    target = tiny.tiny_vocab_target(8, num_layers=2, seed=3)
+    seqs, starts = [[1, 2, 3, 1, 2, 5, 1, 2]], [4]
+    lookup = lambda toks: ngram_lookup(toks, 2)  # noqa: E731
+    got = expected_lookup_tokens(target, seqs, starts, lookup, temperature=1.0, batch=2)
+    # positions t = 4..6: "3 1 2"? no; t=4 context 1 2 3 1 2 -> "1 2" at 0 -> [3, 1]; t=5 (... 2 5): none;
+    # t=6 (... 5 1): "5 1"? no, "1"? below min_n 2 -> none
+    assert got["positions"] == 3 and got["proposed"] == 1
+    with torch.no_grad():
+        ctx = torch.tensor([[1, 2, 3, 1, 2, 3, 1]])
+        probs = torch.softmax(target(ctx, torch.arange(7)[None]).logits[0].float(), dim=-1)
+    want = 1 + probs[4, 3] + probs[4, 3] * probs[5, 1]  # after "1 2 3 1 2": 3, then 1
+    assert abs(got["expected_tokens"] - float(want)) < 1e-5
+    assert 1.0 < got["expected_tokens"] < 3.0
 
 
 def test_bad_options_are_refused_with_the_fix():

@@ -59,21 +59,29 @@ def test_disabled_governor_always_speculates():
     assert gov.allow("code") and gov.keep_speculating("code", 1)
 
 
-def test_running_request_drops_to_plain_decoding_and_output_is_unchanged(tiny):
-    """A draft that never pays: after min_samples rounds the row decodes plainly; tokens == AR."""
+def _untrained_draft_case(tiny, new_tokens: int):
+    """A tiny target, an untrained draft of it (about 1 token a round), a prompt, its params and plain decoding's
+    output for it."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
     from engine.generate import generate
-    from engine.requests import Request
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
 
     target = tiny.tiny_vocab_target(vocab_size=16)
     draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
-    params = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    params = SamplingParams(max_new_tokens=new_tokens, eos_token_ids=())
     prompt = [1, 2, 3, 4]
-    ar = generate(DecodeEngine(target, None, max_batch_size=1, max_seq_len=64), [prompt], params)[0]
+    ar = generate(DecodeEngine(target, None, max_batch_size=1, max_seq_len=96), [prompt], params)[0]
+    return target, draft, prompt, params, ar
 
+
+def test_running_request_drops_to_plain_decoding_and_output_is_unchanged(tiny):
+    """A draft that never pays: after min_samples rounds the row decodes plainly; tokens == AR."""
+    from engine.requests import Request
+    from engine.scheduler import DecodeEngine
+
+    target, draft, prompt, params, ar = _untrained_draft_case(tiny, 40)
     gov = SpeculationGovernor(min_samples=2)
     eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov)
     eng.add_draft("d", draft)
@@ -417,19 +425,10 @@ def test_lone_requests_that_pay_stay_on_and_those_that_do_not_drop_within_a_wind
 def test_a_lone_request_the_draft_fits_badly_decodes_plainly_after_a_window_and_output_is_unchanged(tiny):
     """An untrained draft (about 1 token a round) under a governor whose measurements say the draft pays on
     average: the request, alone, stops speculating after REQUEST_WINDOW rounds, with plain decoding's tokens."""
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-    from engine.generate import generate
     from engine.requests import Request
-    from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
 
-    target = tiny.tiny_vocab_target(vocab_size=16)
-    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
-    params = SamplingParams(max_new_tokens=60, eos_token_ids=())
-    prompt = [1, 2, 3, 4]
-    ar = generate(DecodeEngine(target, None, max_batch_size=1, max_seq_len=96), [prompt], params)[0]
-
+    target, draft, prompt, params, ar = _untrained_draft_case(tiny, 60)
     gov = SpeculationGovernor(min_samples=2)
     feed(gov, "d", ar_cost=0.010, spec_cost=0.005)  # the draft pays on average: 5 ms a token against 10
     gov.observe_ar = gov.observe_spec = lambda *args: None  # ... and this CPU's timings do not change that
