@@ -17,6 +17,9 @@ labelled as a projection. Tokens/s count new tokens over wall time, prefill incl
 again as "... (fused)" rows, each with its ratio to the same row unfused; plus the one-token decode
 step of the default model (CUDA graph ms, CUDA kernels per eager step) before and after fusing.
 
+--lookup 5,8 adds rows whose requests name an n-gram lookup drafter (`engine.lookup`; no
+weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
+at the largest with the governor.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
 with --gammas-overlapped, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
@@ -677,6 +680,30 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
                      lambda: bench.engine_row(*workload, best, block=5, reference=ref, mixed_round_graph=False)))
     rows.append((f"FlashSpec best drafts, block 5, governor{suffix}",
                  lambda: bench.engine_row(*workload, best, block=5, governor=True, reference=ref)))
+    return rows + lookup_rows(bench, workload, ref, suffix)
+
+
+def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "") -> list[tuple]:
+    """(name, build) for rows whose requests name an n-gram lookup drafter (--lookup gammas): at each gamma alone
+    and overlapped, and at the largest in the service's setting (governor, overlapped)."""
+    from engine.lookup import LookupDraft
+
+    gammas = getattr(bench.args, "lookup", ())
+    if not gammas:
+        return []
+    lookup = LookupDraft()
+    drafts = {domain: lookup for domain in DOMAINS}  # every row names it, under its domain
+    rows = []
+    for gamma in gammas:
+        rows += [(f"FlashSpec lookup, gamma {gamma}{suffix}",
+                  lambda gamma=gamma: bench.engine_row(*workload, drafts, block=gamma, gamma=gamma, reference=ref)),
+                 (f"FlashSpec lookup, gamma {gamma}, overlapped{suffix}",
+                  lambda gamma=gamma: bench.engine_row(*workload, drafts, block=gamma, gamma=gamma, reference=ref,
+                                                       overlap=True))]
+    top = max(gammas)
+    rows.append((f"FlashSpec lookup, gamma {top}, governor, overlapped{suffix}",
+                 lambda: bench.engine_row(*workload, drafts, block=top, gamma=top, governor=True, reference=ref,
+                                          overlap=True)))
     return rows
 
 
@@ -886,6 +913,9 @@ def main() -> None:
     parser.add_argument("--trees", default=(), type=lambda v: tuple(int(w) for w in v.split(",") if w),
                         help="best-draft rows with draft trees of these widths (engine.tree; greedy rounds at batch 1), "
                              "at gamma 5 and in the service's setting (adaptive gamma, governor, overlapped), e.g. 2,3,4")
+    parser.add_argument("--lookup", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="rows whose requests name an n-gram lookup drafter (engine.lookup.LookupDraft) at these "
+                             "gammas, alone and overlapped, and at the largest with the governor, e.g. 5,8")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),

@@ -45,3 +45,97 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
     proposals = history.gather(1, (follow[:, None] + offsets).clamp(max=s - 1))
     counts = torch.where(found, (lengths - follow).clamp(min=0, max=gamma), 0)
     return proposals, counts
+
+
+class LookupDraft:
+    """A drafter without weights, registered like a draft (`DecodeEngine.add_draft(name, LookupDraft())`): a
+    request that names it runs lookup rounds (`launch_lookup_round`). It has no trunk split, adapters, head or
+    cache of its own."""
+
+    shared_layers = 0
+    adapter_layers = 0
+    feature_input = "none"
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=2")
+        self.max_n, self.min_n = max_n, min_n
+
+    def trainable_parameters(self) -> list:
+        return []
+
+    def __repr__(self) -> str:
+        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n})"
+
+
+def is_lookup(draft) -> bool:
+    return isinstance(draft, LookupDraft)
+
+
+def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool = True,
+                        pending: torch.Tensor | None = None,
+                        pos0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A lookup round for rows holding a LookupDraft, launched: -> (packed (b, gamma + 2) on the device, per row
+    [num_accepted, next token, proposed...], as `engine.speculative.launch_round` packs a draft's round; pos0 (b,),
+    the positions of the rows' pending tokens). `pending` and `pos0` on the device (the round before's outcome,
+    not read by the host yet: `DecodeEngine(overlap=True)`) replace the host's.
+
+    One pass: each row's proposal from its history (`propose`, the history up to and including its pending
+    token), the target over [pending, proposal] (gamma + 1 tokens, every layer, into the cache), the verdict,
+    and the round's tokens written into the history after the pending one (what lies past the row's new
+    length is never read). Greedy rows keep the longest prefix the target's argmaxes match and its next token
+    (`verify_greedy`). Sampled rows take Leviathan et al.'s rejection sampling with a draft distribution that
+    puts all its mass on the proposed token (`verify_sampled`): a proposed token is kept with the target's
+    probability of it, and at the first one refused the next token is drawn from the target's distribution
+    without it. Either way the output is the target's (greedy: its tokens; sampled: its distribution)
+    whatever was proposed, so a row with nothing to propose verifies whatever its buffer held, at no risk.
+    A sampled round takes the draws a draft's round of this gamma takes (2 gamma + 1: the verifier's are the
+    last gamma + 1), so a seeded request's streams move alike whichever drafter served it. With graphs it is
+    one CUDA graph per (batch bucket, row layout, kv bucket, gamma, n, sampling kind)."""
+    from engine.cache import row_index
+    from engine.sampling import advance, needs_filters, param_tensors, processed_probs, stream_state, uniform_at
+    from engine.verify import verify_greedy, verify_sampled
+
+    model, device = eng.model, eng.device
+    draft = slots[0].draft
+    kv_len = eng.kv_bucket(kv_len)
+    rows = row_index([s.slot for s in slots], device)
+    if pos0 is None:
+        pos0 = torch.tensor([s.length for s in slots], device=device)
+        pending = torch.tensor([s.pending for s in slots], device=device)
+    steps = torch.arange(gamma + 1, device=device)
+    inputs = {"pending": pending, "pos0": pos0}
+    filtered, n_draws = False, 2 * gamma + 1  # `engine.speculative.round_draws` of a one-block round
+    if not greedy:
+        params = [s.request.params for s in slots]
+        filtered = needs_filters(params)
+        inputs.update(state=stream_state([s.random for s in slots], device), **param_tensors(params, device))
+    vocab = model.args.vocab_size
+
+    def fn(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
+        history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
+        proposals, _ = propose(history, pos0 + 1, gamma, draft.max_n, draft.min_n)
+        tokens = torch.cat([pending[:, None], proposals], dim=1)  # (b, gamma + 1)
+        logits = model(tokens, pos0[:, None] + steps[None], cache=eng.cache, rows=rows, kv_len=kv_len).logits
+        if greedy:
+            res = verify_greedy(proposals, logits)
+        else:
+            target_probs = processed_probs(logits, temperature, top_k, top_p, filtered)
+            one_point = torch.nn.functional.one_hot(proposals, vocab).to(target_probs.dtype)  # (b, gamma, V)
+            draws = uniform_at(state, 0, (pending.shape[0], n_draws))
+            res = verify_sampled(proposals, one_point, target_probs, draws=draws[:, gamma:])
+        history.scatter_(1, pos0[:, None] + 1 + steps[None, :gamma], proposals)
+        history.scatter_(1, (pos0 + 1 + res.num_accepted)[:, None], res.next_token[:, None])
+        if not isinstance(rows, slice):
+            eng.history[rows] = history
+        return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], proposals], dim=1),)
+
+    if not eng.graphs.enabled:
+        (packed,) = fn(**inputs)
+    else:
+        kind = "greedy" if greedy else ("sampled", filtered)
+        (packed,) = eng.run_graph(("lookup-round", kind, kv_len, gamma, draft.max_n, draft.min_n), fn, rows, inputs)
+    if not greedy:
+        advance([s.random for s in slots], n_draws)
+    return packed, pos0

@@ -21,12 +21,13 @@ from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
 from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
+from engine.lookup import is_lookup, launch_lookup_round
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState, repeats_its_seed
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
                              stream_state, uniform_at)
-from engine.speculative import (Draft, SpecConfig, captured_path, draft_features, feature_layers_of, graph_drafts,
-                                launch_round, round_result, spec_round, tree_round)
+from engine.speculative import (Draft, RoundResult, SpecConfig, captured_path, draft_features, feature_layers_of,
+                                graph_drafts, launch_round, round_result, spec_round, tree_round)
 from engine.text import TextStream
 from engine.triton_kernels import argmax
 
@@ -122,6 +123,7 @@ class DecodeEngine:
         self.prefill_graphs = prefill_graphs and use_graphs
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
+        self.history: torch.Tensor | None = None  # with a LookupDraft: (cache rows, positions) token ids
         self.draft_cache: KVCache | None = None
         self.slots: list[SlotState | None] = [None] * max_batch_size
         self.waiting: collections.deque[Request] = collections.deque()
@@ -143,9 +145,21 @@ class DecodeEngine:
 
     # ----- drafts -------------------------------------------------------------------------
     def add_draft(self, name: str, draft: Draft) -> None:
-        """Register (or replace) a draft under `name`. Running requests keep the draft they started with."""
+        """Register (or replace) a draft under `name`. Running requests keep the draft they started with. A
+        `engine.lookup.LookupDraft` has no weights: greedy requests naming it run lookup rounds."""
         self._wait_ahead()  # an overlapped round in flight may run the graphs replacing a draft drops
+        if is_lookup(draft):
+            if self.history is None:  # each row's tokens (prompt, then output) at their positions, for lookup
+                self.history = torch.zeros(self.cache_rows, self.max_seq_len + self.margin, dtype=torch.long,
+                                           device=self.device)
+            old = self.drafts.get(name)
+            if old is not None and old is not draft:
+                self.graphs.discard(id(old))
+            self.drafts[name] = draft
+            return
         for other_name, other in self.drafts.items():
+            if is_lookup(other):
+                continue
             if other_name != name and other.shared_layers != draft.shared_layers:
                 raise ValueError(
                     f"draft {name!r} shares {draft.shared_layers} target layers but {other_name!r} shares "
@@ -159,7 +173,8 @@ class DecodeEngine:
                              f"between its trunk ({draft.shared_layers} layers) and the target's {self.model.args.num_layers}")
         need = draft.adapter_layers
         if self.draft_cache is None or self.draft_cache.num_layers < need:
-            if self.draft_cache is not None and any(s is not None and s.draft is not None for s in self.slots):
+            if self.draft_cache is not None and any(s is not None and s.draft is not None and not is_lookup(s.draft)
+                                                    for s in self.slots):
                 raise ValueError(f"draft {name!r} needs {need} adapter layers, more than the running drafts' cache holds; "
                                  "load it while no speculative request runs")
             self.draft_cache = self._new_draft_cache(need)
@@ -360,7 +375,7 @@ class DecodeEngine:
         what they write is overwritten before anything reads it."""
         variants = {(0, (), False)}
         for mix in mixes:
-            drafts = [self.drafts[name] for name in mix if name is not None]
+            drafts = [self.drafts[name] for name in mix if name is not None and not is_lookup(self.drafts[name])]
             if drafts:
                 variants.add((drafts[0].shared_layers, feature_layers_of(drafts), True))
         lengths = []  # what _prefill_target pads a prompt of up to max_seq_len tokens to
@@ -496,9 +511,38 @@ class DecodeEngine:
             self.gamma.observe(key, gamma, seconds, list(zip(names, result.num_accepted, result.drafted)), width)
 
     def _spec_round(self, spec_rows: list[SlotState], t0: float):
-        """One round for the speculating rows (at the gamma controller's choice when it is on). With `overlap`
-        and the captured one-graph round, the batch's next round is launched from this one's outcome on the
-        device before the host reads this one (`_launch_next_round`)."""
+        """One round for the speculating rows: a draft's round, a lookup round (rows holding a LookupDraft), or
+        for a batch of both kinds the two, one after the other, their results in the rows' order."""
+        lookup = [s for s in spec_rows if is_lookup(s.draft)]
+        if not lookup:
+            return self._draft_round(spec_rows, t0)
+        if len(lookup) == len(spec_rows):
+            return self._lookup_round(spec_rows)
+        drafting = [s for s in spec_rows if not is_lookup(s.draft)]
+        parts = {id(s): (r, i) for rows, r in ((drafting, self._draft_round(drafting, t0)),
+                                               (lookup, self._lookup_round(lookup)))
+                 for i, s in enumerate(rows)}
+        picked = [parts[id(s)] for s in spec_rows]
+        return RoundResult([r.tokens[i] for r, i in picked], [r.num_accepted[i] for r, i in picked],
+                           [r.drafted[i] for r, i in picked], [r.verify_passes[i] for r, i in picked])
+
+    def _lookup_round(self, rows: list[SlotState]):
+        """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at the engine's
+        gamma; with `overlap`, the batch's next one is launched from its outcome on the device first."""
+        gamma = self.spec.num_speculative_tokens
+        greedy = all(s.request.params.greedy for s in rows)
+        packed, pos0 = launch_lookup_round(self, rows, gamma, max(s.length for s in rows) + gamma + 2, greedy)
+        host, ready = _fetch(packed)
+        if self._may_overlap_round(rows):
+            self._ahead = self._launch_next_round(rows, packed, pos0, gamma, greedy)
+        result = round_result(_read(host, ready), gamma)
+        self._round_clock = time.perf_counter()
+        return result
+
+    def _draft_round(self, spec_rows: list[SlotState], t0: float):
+        """A round of the drafts' (at the gamma controller's choice when it is on). With `overlap` and the
+        captured one-graph round, the batch's next round is launched from this one's outcome on the device
+        before the host reads this one (`_launch_next_round`)."""
         spec, report = self._round_spec(spec_rows)
         cold = self._cold_events()
         drafts = [s.draft for s in spec_rows]
@@ -539,7 +583,12 @@ class DecodeEngine:
                            greedy: bool) -> "_Ahead | None":
         """Launch the batch's next captured round from the outcome (packed, on the device) of the one in flight,
         which drafted `gamma` from positions pos0 (b,) at the committed lengths; None if this round would not be
-        one graph (the gamma controller's pick)."""
+        one graph (the gamma controller's pick). A batch of lookup rows chains its next lookup round."""
+        if all(is_lookup(s.draft) for s in batch):
+            kv_len = max(s.length for s in batch) + 2 * gamma + 3
+            nxt, npos = launch_lookup_round(self, batch, gamma, kv_len, greedy, pending=packed[:, 1],
+                                            pos0=pos0 + packed[:, 0] + 1)
+            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, gamma, kind="round", report=None, greedy=greedy)
         spec, report = self._round_spec(batch)
         drafts = [s.draft for s in batch]
         if not captured_path(self, drafts, spec, batch, greedy):
@@ -590,7 +639,7 @@ class DecodeEngine:
         pos = torch.arange(t_max, device=device)[None].expand(len(batch), -1)
         rows = row_index([s.slot for s in batch], device)
         last = torch.tensor(lens, device=device) - 1
-        spec = [i for i, s in enumerate(batch) if s.draft is not None]
+        spec = [i for i, s in enumerate(batch) if s.draft is not None and not is_lookup(s.draft)]
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
         capture = feature_layers_of(batch[i].draft for i in spec)
         trunk, hidden, logits, captured = self._prefill_target(tokens, rows, last, n_trunk, capture, bool(spec))
@@ -599,8 +648,11 @@ class DecodeEngine:
             self._prefill_drafts([batch[i] for i in spec], trunk[spec], hidden[spec], pos[spec], last[spec], t_max,
                                  [c[spec] for c in captured], capture)
         results = []
-        for s, tok, n in zip(batch, first, lens):
+        for i, (s, tok, n) in enumerate(zip(batch, first, lens)):
             s.length = n
+            if is_lookup(s.draft):  # its history: the prompt, then the first token (lookup rounds write the rest)
+                self.history[s.slot, :n] = tokens[i, :n]
+                self.history[s.slot, n] = tok
             results.append(self._commit(s, [tok]))
         return results
 

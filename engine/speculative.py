@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.cache import WindowedKVCache, row_index
+from engine.lookup import is_lookup
 from engine.model import StepContext
 from engine.requests import repeats_its_seed
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
@@ -368,7 +369,7 @@ def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
     replaced one the rows still hold (`launch_round`)."""
     held = {id(d): d for d in drafts}
     if len(held) > 1:
-        held.update((id(d), d) for d in eng.drafts.values())
+        held.update((id(d), d) for d in eng.drafts.values() if not is_lookup(d))
     return sorted(held.values(), key=id)
 
 

@@ -94,7 +94,8 @@ class GeneratorUserConfig(BaseModel):
 
     drafts: dict[Domain, str] = Field(
         default_factory=dict,
-        description="Active draft version per domain ('latest' = newest in the store); a domain left out runs without a draft.")
+        description="Active draft version per domain ('latest' = newest in the store; 'lookup' = the n-gram lookup drafter, "
+                    "no checkpoint); a domain left out runs without a draft.")
 
 
 class Deployment(BaseModel):

@@ -16,6 +16,7 @@ import uuid
 
 from ray import serve
 
+from engine.lookup import LookupDraft
 from engine.requests import Request
 from engine.sampling import SamplingParams
 from services.batcher import EngineLoop, QueueFull, StreamError
@@ -43,6 +44,9 @@ def _app_name() -> str:
 
 def error_item(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     return {"type": "error", "status": status, "message": message, "code": code, "param": param}
+
+
+LOOKUP = "lookup"  # the draft version that names the n-gram lookup drafter (GeneratorUserConfig.drafts)
 
 
 class GeneratorCore:
@@ -142,16 +146,21 @@ class GeneratorCore:
         return results
 
     def activate(self, domain: str, version: str) -> str:
-        """Load, check and swap in one domain's draft; 'ok' or raises DraftRefused (old version stays)."""
+        """Load, check and swap in one domain's draft; 'ok' or raises DraftRefused (old version stays). Version
+        `LOOKUP` ("lookup") gives the domain the n-gram lookup drafter instead of a trained draft (`engine.lookup`:
+        no weights: the domain's requests propose their next tokens from their own earlier ones)."""
         if not self.loaded.is_set():
             raise DraftRefused("the model is still loading; retry when /health is ready")
         with self._swap:
             try:
-                draft = load_checked(self.factory, self.target, domain, version)
-                if self.args.fused_inference:
-                    from engine.fused import fuse_for_inference
+                if version == LOOKUP:  # the n-gram lookup drafter: no checkpoint to load or check
+                    draft = LookupDraft()
+                else:
+                    draft = load_checked(self.factory, self.target, domain, version)
+                    if self.args.fused_inference:
+                        from engine.fused import fuse_for_inference
 
-                    fuse_for_inference(draft)  # its own adapter layers; its trunk is the (fused) target's
+                        fuse_for_inference(draft)  # its own adapter layers; its trunk is the (fused) target's
                 self.loop.call(lambda eng: eng.add_draft(domain, draft)).result(timeout=120)
             except DraftRefused as exc:
                 self.refusals[domain] = str(exc)

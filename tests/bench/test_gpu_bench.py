@@ -279,3 +279,26 @@ def test_overridden_sets_module_switches_for_a_block_and_restores_them_after_an_
     except RuntimeError:
         pass
     assert module.PROJ is False
+
+
+def test_lookup_rows_run_the_requests_on_a_lookup_drafter(tiny_target):
+    """--lookup 3,5: rows whose requests name an n-gram lookup drafter, at each gamma alone and overlapped, and at
+    the largest with the governor."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 5))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6]], ["code"], 6, True, 1)
+    rows = dict(lookup_rows(bench, workload, None, " (fused)"))
+    assert list(rows) == ["FlashSpec lookup, gamma 3 (fused)", "FlashSpec lookup, gamma 3, overlapped (fused)",
+                          "FlashSpec lookup, gamma 5 (fused)", "FlashSpec lookup, gamma 5, overlapped (fused)",
+                          "FlashSpec lookup, gamma 5, governor, overlapped (fused)"]
+    row = rows["FlashSpec lookup, gamma 3 (fused)"]()
+    assert row.eng.spec.num_speculative_tokens == 3 and row.outs == [] and row.names == ["code"]
+    row.timed_pass()
+    assert row.outs[0].stats.rounds > 0  # its request ran lookup rounds
+    bench.args.lookup = ()
+    assert lookup_rows(bench, workload, None) == []

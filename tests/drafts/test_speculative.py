@@ -389,9 +389,9 @@ def small(tiny):
     return model, noisy(draft, 1.0)
 
 
-def exact_joint(model, temperature: float, top_p: float) -> torch.Tensor:
-    """(V, V, V) probabilities of the first K = 3 tokens after PROMPT, by enumeration."""
-    seqs = torch.tensor([PROMPT])
+def exact_joint(model, temperature: float, top_p: float, prompt=PROMPT) -> torch.Tensor:
+    """(V, V, V) probabilities of the first K = 3 tokens after `prompt`, by enumeration."""
+    seqs = torch.tensor([prompt])
     joint = torch.ones(1)
     for _ in range(K):
         n = seqs.shape[0]
@@ -1059,3 +1059,92 @@ def test_prefill_graphs_give_the_eager_prefill_s_tokens(target, monkeypatch, sam
         stats.append([(r.stats.accepted, r.stats.drafted) if r.stats else None for r in got])
     # The drafts prefilled from the same states: the same acceptance (tokens alone would not show it: lossless).
     assert stats[0] == stats[1] and sum(s[1] for s in stats[1] if s) > 0, stats
+
+
+# ----- lookup rounds (engine.lookup.LookupDraft): proposals from each request's own tokens, verified greedily ----
+
+
+def _lookup_engine(target, graphs, overlap=False, extra=None, **kw):
+    from engine.lookup import LookupDraft
+
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+                       overlap=overlap, **kw)
+    eng.add_draft("lookup", LookupDraft())
+    for name, draft in (extra or {}).items():
+        eng.add_draft(name, draft)
+    return eng
+
+
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
+def test_lookup_rounds_give_plain_decoding_s_tokens_and_take_repeats_in_few_rounds(target, tiny, graphs, overlap):
+    """Greedy rows naming a LookupDraft: plain decoding's tokens, eagerly, as graphs and chained (overlap). A target
+    of 8 tokens soon repeats itself greedily, and there lookup rounds make several tokens each."""
+    eng = _lookup_engine(target, graphs, overlap)
+    outs = generate(eng, prompts_for(target.args.vocab_size), SamplingParams(max_new_tokens=NEW, eos_token_ids=()),
+                    "lookup")
+    assert [o.token_ids for o in outs] == ar_greedy(target)
+    assert all(o.stats.rounds for o in outs) and not eng.has_work()
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1]]
+    params = SamplingParams(max_new_tokens=60, eos_token_ids=())
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=3, max_seq_len=128), prompts, params)]
+    eng = _lookup_engine(small, graphs, overlap)
+    chained, real = [], eng._launch_next_round
+    eng._launch_next_round = lambda *args: chained.append(1) or real(*args)  # rounds launched from one in flight
+    outs = generate(eng, prompts, params, "lookup")
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.stats.emitted for o in outs) / sum(o.stats.rounds for o in outs) > 2.0
+    assert (len(chained) > 3) == overlap
+
+
+def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decoding_s_tokens(target):
+    for graphs in (None, "emulate"):
+        eng = _lookup_engine(target, graphs, extra={"d": noisy(oracle(target), 0.4)})
+        outs = generate(eng, prompts_for(target.args.vocab_size), SamplingParams(max_new_tokens=NEW, eos_token_ids=()),
+                        ["lookup", "d", None, "lookup"])
+        assert [o.token_ids for o in outs] == ar_greedy(target), graphs
+        assert outs[0].stats.rounds and outs[1].stats.rounds and not (outs[2].stats and outs[2].stats.rounds)
+
+
+def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=4)
+    got = [generate(_lookup_engine(target, g), prompts_for(target.args.vocab_size, (9,)), params, "lookup")[0]
+           for g in (None, None, "emulate")]
+    assert got[0].stats.rounds and got[0].token_ids == got[1].token_ids == got[2].token_ids  # eager and graph alike
+    warm = _lookup_engine(target, "emulate", extra={"d": noisy(oracle(target), 0.4)})
+    assert warm.warmup(max_len=64, prompt_len=4, sampling=("greedy",)) > 0
+    assert any(k[0] == "lookup-round" for k in warm.graphs.graphs)
+    captured = warm.graphs.captures
+    outs = generate(warm, prompts_for(target.args.vocab_size, (5, 17, 2, 30)),
+                    SamplingParams(max_new_tokens=20, eos_token_ids=()), ["lookup", "d", "lookup", None])
+    assert [o.token_ids for o in outs] == [t[:20] for t in ar_greedy(target)]
+    assert warm.graphs.captures == captured  # nothing left to capture in traffic
+
+
+def test_lookup_draft_settings_are_checked():
+    from engine.lookup import LookupDraft
+
+    with pytest.raises(ValueError, match="min_n"):
+        LookupDraft(max_n=1, min_n=2)
+    assert LookupDraft().trainable_parameters() == []
+
+
+@pytest.mark.parametrize("graphs", [None, "emulate"])
+def test_sampled_lookup_rounds_are_lossless(small, graphs):
+    """Sampled rows naming a LookupDraft: a proposed token is kept with the target's probability of it, else the
+    next token comes from the target's distribution without it. From a prompt that repeats itself (so the first
+    round proposes), the first 3 tokens of 20k seeded requests have the target's exact joint distribution."""
+    from engine.lookup import LookupDraft
+
+    model, _ = small
+    prompt, n = [1, 5, 2, 7, 1, 5, 2], 20000
+    eng = DecodeEngine(model, None, max_batch_size=500, max_seq_len=32, spec=SpecConfig(3, 3), cuda_graphs=graphs)
+    eng.add_draft("lookup", LookupDraft())
+    params = [SamplingParams(max_new_tokens=K, temperature=1.0, seed=i, eos_token_ids=()) for i in range(n)]
+    results = generate(eng, [prompt] * n, params, draft="lookup")
+    assert all(r.stats is not None and r.stats.rounds >= 1 for r in results)
+    assert sum(r.stats.accepted > 0 for r in results) > n // 10  # proposals were kept: not a vacuous check
+    per_position, joint = distances(torch.tensor([r.token_ids for r in results]), exact_joint(model, 1.0, 1.0, prompt))
+    position_max, joint_max = thresholds(n)
+    assert max(per_position) < position_max, per_position
+    assert joint < joint_max, joint

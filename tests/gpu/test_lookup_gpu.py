@@ -1,5 +1,6 @@
-"""engine.lookup.propose on the GPU: inside a captured CUDA graph, replayed over new histories, it gives what it
-gives eagerly. Skipped without CUDA."""
+"""engine.lookup on the GPU: the proposer inside a captured CUDA graph gives what it gives eagerly; lookup rounds as
+captured (and chained) graphs give plain decoding's greedy tokens and the eager rounds' sampled ones. Skipped
+without CUDA."""
 
 import pytest
 import torch
@@ -27,3 +28,59 @@ def test_proposals_from_a_graph_replay_equal_eager_ones_for_new_histories():
         assert torch.equal(out[1], want[1])
         for i in range(8):
             assert torch.equal(out[0][i, :want[1][i]], want[0][i, :want[1][i]])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap):
+    """Rows naming a LookupDraft, their rounds captured (and chained with overlap), scattered rows included (a
+    row finishing early frees its slot for the next request): plain decoding's tokens, and repeats taken in
+    rounds of several tokens."""
+    from engine.config import ModelArgs
+    from engine.generate import generate
+    from engine.lookup import LookupDraft
+    from engine.model import Transformer
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    with torch.device("cuda"):
+        target = Transformer(args, max_seq_len=512).eval().requires_grad_(False)
+    prompts = [[1, 2, 3, 4, 5], [7, 0, 6], [2, 2, 5, 1, 0, 3, 4], [3, 3, 3, 3], [6, 1]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (60, 23, 47, 60, 31)]
+    plain = generate(DecodeEngine(target, None, max_batch_size=4, max_seq_len=128), prompts, params)
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), overlap=overlap)
+    eng.add_draft("lookup", LookupDraft())
+    got = generate(eng, prompts, params, "lookup")
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert any(k[0] == "lookup-round" for k in eng.graphs.graphs)
+    assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
+
+
+def test_sampled_lookup_rounds_as_graphs_give_the_eager_rounds_tokens():
+    """Seeded sampled rows naming a LookupDraft: the captured (and chained) rounds draw what the eager ones do."""
+    from engine.config import ModelArgs
+    from engine.generate import generate
+    from engine.lookup import LookupDraft
+    from engine.model import Transformer
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    with torch.device("cuda"):
+        target = Transformer(args, max_seq_len=512).eval().requires_grad_(False)
+    prompts = [[1, 2, 3, 1, 2, 3], [7, 0, 6, 7, 0], [2, 2, 5, 1, 0, 3, 4]]
+    params = [SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, top_p=0.9 if i == 1 else 1.0, seed=i)
+              for i in range(3)]
+    outs = {}
+    for graphs, overlap in ((False, False), (True, False), (True, True)):
+        eng = DecodeEngine(target, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(4, 4), cuda_graphs=graphs,
+                           overlap=overlap)
+        eng.add_draft("lookup", LookupDraft())
+        outs[(graphs, overlap)] = [o.token_ids for o in generate(eng, prompts, params, "lookup")]
+    assert outs[(True, False)] == outs[(False, False)] == outs[(True, True)]
