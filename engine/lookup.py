@@ -92,7 +92,8 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     whatever was proposed, so a row with nothing to propose verifies whatever its buffer held, at no risk.
     A sampled round takes the draws a draft's round of this gamma takes (2 gamma + 1: the verifier's are the
     last gamma + 1), so a seeded request's streams move alike whichever drafter served it. With graphs it is
-    one CUDA graph per (batch bucket, row layout, kv bucket, gamma, n, sampling kind)."""
+    one CUDA graph per (batch bucket, row layout, kv bucket, gamma, n, sampling kind). The batch's rows look up
+    with its first row's n (drafters registered with other n settings share a round that way)."""
     from engine.cache import row_index
     from engine.sampling import advance, needs_filters, param_tensors, processed_probs, stream_state, uniform_at
     from engine.verify import verify_greedy, verify_sampled
