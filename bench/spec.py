@@ -15,10 +15,15 @@ from bench.ar import setup_line
 
 
 def load_bench_draft(spec: str, target):
-    """A domain name, a draft folder (a version, or a store's domain folder: its ACTIVE version), or
-    'untrained:N,A,HEAD,FEATURE[,K]' (initialized from the target)."""
+    """A domain name, a draft folder (a version, or a store's domain folder: its ACTIVE version),
+    'untrained:N,A,HEAD,FEATURE[,K]' (initialized from the target), or 'lookup' (the n-gram lookup drafter,
+    `engine.lookup.LookupDraft`)."""
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
+    from engine.lookup import LookupDraft
+
+    if spec == "lookup":
+        return LookupDraft()
 
     if spec.startswith("untrained:"):
         fields = spec.split(":", 1)[1].split(",")
@@ -118,9 +123,11 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
                                       spec=SpecConfig(g, block, draft_confidence=conf, sub_vocab_draws=sub,
                                                       tree_width=width))
                 engine.add_draft("d", draft)
-                name = (f"FlashSpec {spec} (N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
-                        f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
-                        f"K={draft.config.head_vocab or 'full'}) gamma {g} block {block}"
+                shape = ("n-gram lookup" if not hasattr(draft, "config") else
+                         f"N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
+                         f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
+                         f"K={draft.config.head_vocab or 'full'}")
+                name = (f"FlashSpec {spec} ({shape}) gamma {g} block {block}"
                         + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else "")
                         + ("" if sub else " draws over the whole vocabulary") + (f" tree width {width}" if width > 1 else ""))
                 row_params = params if dtemp is None else dataclasses.replace(params, draft_temperature=dtemp)

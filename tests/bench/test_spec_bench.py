@@ -102,3 +102,14 @@ def test_full_vocab_draws_add_a_row_per_sampled_row_and_are_refused_for_greedy(m
     assert [r["name"].endswith("draws over the whole vocabulary") for r in rows[1:]] == [False, True]
     with pytest.raises(SystemExit, match="--temperature"):
         spec_bench.run(full_vocab_draws=True)
+
+
+def test_the_lookup_drafter_is_a_row_with_its_own_name(monkeypatch, tiny_target):
+    """--draft lookup: the n-gram lookup drafter (no weights) measured like a draft, named as such."""
+    from engine.lookup import LookupDraft
+
+    assert isinstance(spec_bench.load_bench_draft("lookup", tiny_target.model), LookupDraft)
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [20.0])
+    rows = spec_bench.run(drafts=["lookup"], n_prompts=1, max_new_tokens=4, blocks=(5,))
+    assert rows[1]["name"] == "FlashSpec lookup (n-gram lookup) gamma 5 block 5"
+    assert rows[1]["speedup"] == pytest.approx(2.0)
