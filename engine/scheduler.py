@@ -146,7 +146,7 @@ class DecodeEngine:
     # ----- drafts -------------------------------------------------------------------------
     def add_draft(self, name: str, draft: Draft) -> None:
         """Register (or replace) a draft under `name`. Running requests keep the draft they started with. A
-        `engine.lookup.LookupDraft` has no weights: greedy requests naming it run lookup rounds."""
+        `engine.lookup.LookupDraft` has no weights: requests naming it run lookup rounds."""
         self._wait_ahead()  # an overlapped round in flight may run the graphs replacing a draft drops
         if is_lookup(draft):
             if self.history is None:  # each row's tokens (prompt, then output) at their positions, for lookup
