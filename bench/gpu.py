@@ -19,7 +19,8 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 
 --lookup 5,8 adds rows whose requests name an n-gram lookup drafter (`engine.lookup`; no
 weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
-at the largest with the governor.
+at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
+alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`).
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
 with --gammas-overlapped, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
@@ -284,11 +285,13 @@ class Bench:
 
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
-                   reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1) -> "EngineRow":
+                   reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
+                   lookup_alternative=False) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
-        draft trees' width (greedy rounds of batch 1, `engine.tree`)."""
+        draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
+        n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                        mixed_round_graph, adaptive, overlap, tree)
+                        mixed_round_graph, adaptive, overlap, tree, lookup_alternative)
         row.warm()
         return row
 
@@ -415,7 +418,7 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive, overlap=False, tree=1) -> None:
+                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -437,6 +440,12 @@ class EngineRow:
         if drafts:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
+            if lookup_alternative:
+                from engine.lookup import LookupDraft
+
+                self.eng.add_draft("lookup", LookupDraft())
+                for d in drafts:
+                    self.eng.set_alternatives(d, ["lookup"])
         self.names = [d if drafts else None for d in domains]
         self.params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0,
                                       seed=None if greedy else 1000 + i, eos_token_ids=()) for i in range(len(prompts))]
@@ -680,12 +689,14 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
                      lambda: bench.engine_row(*workload, best, block=5, reference=ref, mixed_round_graph=False)))
     rows.append((f"FlashSpec best drafts, block 5, governor{suffix}",
                  lambda: bench.engine_row(*workload, best, block=5, governor=True, reference=ref)))
-    return rows + lookup_rows(bench, workload, ref, suffix)
+    return rows + lookup_rows(bench, workload, ref, suffix, best)
 
 
-def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "") -> list[tuple]:
+def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict | None = None) -> list[tuple]:
     """(name, build) for rows whose requests name an n-gram lookup drafter (--lookup gammas): at each gamma alone
-    and overlapped, and at the largest in the service's setting (governor, overlapped)."""
+    and overlapped, and at the largest in the service's setting (governor, overlapped); with `best` (the best
+    drafts), also the service's setting where each draft has the lookup drafter as an alternative and the governor
+    picks per domain and batch size, from measured costs, which one a request runs."""
     from engine.lookup import LookupDraft
 
     gammas = getattr(bench.args, "lookup", ())
@@ -704,6 +715,10 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "") -> list[tu
     rows.append((f"FlashSpec lookup, gamma {top}, governor, overlapped{suffix}",
                  lambda: bench.engine_row(*workload, drafts, block=top, gamma=top, governor=True, reference=ref,
                                           overlap=True)))
+    if best:  # the service's setting with the lookup drafter as each draft's alternative: the governor picks
+        rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped{suffix}",
+                     lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
+                                              overlap=True, lookup_alternative=True)))
     return rows
 
 

@@ -2,6 +2,7 @@
 
     flashspec bench spec --device cpu --draft code --domain code
     flashspec bench spec --draft untrained:8,2,mlp_tied,none     (the seed-default shape, untrained)
+    flashspec bench spec --draft code --draft lookup --draft code+lookup   (the governor picks the draft or lookup)
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     import statistics
 
     from bench.prompts import held_out_prompts
+    from engine.governor import SpeculationGovernor
     from engine.loading import load_model
+    from engine.lookup import LookupDraft
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
@@ -113,21 +116,30 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     gammas = (gamma,) if isinstance(gamma, int) else tuple(gamma)
     configs = []
     for spec in drafts:
-        draft = load_bench_draft(spec, loaded.model)
+        # 'D+lookup': draft D with the lookup drafter as its alternative, the governor choosing (the service's way)
+        base, plus, alt = spec.partition("+")
+        if plus and alt != "lookup":
+            raise SystemExit(f"error: --draft {spec}: the only alternative is lookup ('{base}+lookup')")
+        draft = load_bench_draft(base, loaded.model)
         for g in gammas:
             # a block longer than gamma is one verify per round: block = gamma
             for block, conf, dtemp, sub, width in dict.fromkeys(
                     (min(b, g), c, t, s, w) for b in (blocks or (2, g)) for c in confidences for t in draft_temperatures
                     for s in ((True, False) if full_vocab_draws else (True,)) for w in trees):
-                engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len,
+                governor = SpeculationGovernor() if plus else None
+                engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len, governor=governor,
                                       spec=SpecConfig(g, block, draft_confidence=conf, sub_vocab_draws=sub,
                                                       tree_width=width))
                 engine.add_draft("d", draft)
+                if plus:
+                    engine.add_draft("lookup", LookupDraft())
+                    engine.set_alternatives("d", ["lookup"])
+                    engine.calibrate(prompt=prompts[0])
                 shape = ("n-gram lookup" if not hasattr(draft, "config") else
                          f"N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "
                          f"{draft.feature_input}{list(draft.feature_layers) if draft.feature_layers else ''}, "
                          f"K={draft.config.head_vocab or 'full'}")
-                name = (f"FlashSpec {spec} ({shape}) gamma {g} block {block}"
+                name = (f"FlashSpec {base} ({shape}){' or lookup (governor)' if plus else ''} gamma {g} block {block}"
                         + (f" confidence {conf:g}" if conf else "") + (f" draft T={dtemp:g}" if dtemp is not None else "")
                         + ("" if sub else " draws over the whole vocabulary") + (f" tree width {width}" if width > 1 else ""))
                 row_params = params if dtemp is None else dataclasses.replace(params, draft_temperature=dtemp)

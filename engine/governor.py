@@ -194,6 +194,51 @@ class SpeculationGovernor:
             self.decisions["speculate" if decision else "plain"] += 1
             return decision
 
+    def choose(self, drafts: Sequence[str], rows: int = 1) -> int | None:
+        """Which of `drafts` the next request should speculate with at about `rows` running requests (an index
+        into `drafts`), or None for plain decoding. `drafts`: the request's own draft first, then alternatives
+        it may run instead (`DecodeEngine.set_alternatives`: the n-gram lookup drafter, say). Each is measured
+        and judged as `allow` judges one draft; of those that pay, the cheapest a token wins. A candidate not
+        yet measured at this batch size is tried first (in order), so every one gets its estimate; the others
+        are probed now and then as `allow` probes a draft that does not pay (every `probe_every`-th admission,
+        taking turns, and a candidate with no round for `probe_seconds`), so the choice follows the traffic."""
+        if not drafts:
+            raise ValueError("choose needs at least one draft")
+        if not self.enabled:
+            return 0
+        if len(drafts) == 1:
+            return 0 if self.allow(drafts[0], rows) else None
+        with self._lock:
+            key = "\x00".join(drafts)
+            n = self._admissions.get(key, 0) + 1
+            self._admissions[key] = n
+            bucket = batch_bucket(rows)
+            ar = self._cost(self._ar, lambda b: b, bucket)
+            costs = [self._cost(self._spec, lambda b, d=d: (d, b), bucket) for d in drafts]
+            now = self._clock()
+            stale = [i for i, d in enumerate(drafts) if d in self._last_spec and now - self._last_spec[d] > self.probe_seconds]
+            unmeasured = [i for i, c in enumerate(costs) if c is None]
+            if unmeasured:
+                pick = unmeasured[0]
+                if ar is None and n % self.probe_every == 0:
+                    pick = None  # measure plain decoding now and then
+            elif ar is None:
+                pick = min(range(len(drafts)), key=lambda i: costs[i][0])
+            else:
+                paying = [i for i, c in enumerate(costs)
+                          if c[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(c[1], ar[1]))]
+                pick = min(paying, key=lambda i: costs[i][0]) if paying else None
+                others = [i for i in range(len(drafts)) if i != pick]
+                probe = (stale[0] if stale and stale[0] != pick else
+                         others[(n // self.probe_every - 1) % len(others)] if n % self.probe_every == 0 else None)
+                if probe is not None:
+                    pick = probe
+                    self.decisions["probes"] += 1
+            if pick is not None and drafts[pick] in self._last_spec and now - self._last_spec[drafts[pick]] > self.probe_seconds:
+                self._last_spec[drafts[pick]] = now  # one probe per period, not every admission until it runs
+            self.decisions["speculate" if pick is not None else "plain"] += 1
+            return pick
+
     def keep_speculating(self, draft: str, rows: int, recent: Sequence[int] = ()) -> bool:
         """Should a running request of `draft` go on speculating? `recent`: the tokens each of its last
         rounds made (`request_pays`, which decides only while the request runs alone)."""

@@ -94,7 +94,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     stats: SpecStats | None = None
-    draft: str | None = None
+    draft: str | None = None  # what its rounds ran: its draft, or "<draft>/<alternative>" (`SlotState.draft_name`)
 
 
 @dataclasses.dataclass
@@ -107,6 +107,9 @@ class SlotState:
     text_stream: object
     eos: frozenset[int]
     draft: object | None = None  # the draft object this request started with (kept across hot-swaps)
+    # What its speculation is measured and judged under: its request's draft, or "<draft>/<alternative>" when the
+    # governor picked an alternative (`DecodeEngine.set_alternatives`); None for plain decoding from the start.
+    draft_name: str | None = None
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
     pending: int = -1  # last produced token, not yet run through the model
     output_ids: list[int] = dataclasses.field(default_factory=list)

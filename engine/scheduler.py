@@ -41,13 +41,14 @@ def prefill_graphs_default() -> bool:
     return os.environ.get("FLASHSPEC_PREFILL_GRAPHS", "1") != "0"
 
 
-def governed(request: Request) -> str:
+def governed(request: Request, name: str | None = None) -> str:
     """The name a request's speculation is measured and judged under (the governor's costs, the gamma
-    controller's acceptance): its draft, and whether it samples. A draft's acceptance, and so whether
+    controller's acceptance): its draft (or `name`: what its row runs, `SlotState.draft_name`), and whether it
+    samples. A draft's acceptance, and so whether
     speculating pays, is its own for each: on the H200 the shipped drafts at gamma 5 ran 1.11x plain
     decoding greedy and 0.74x at T=1 (batch 1, bench/RESULTS.md run 20); judged together, greedy traffic
     would keep sampled requests speculating at a loss, or sampled traffic turn it off for greedy ones."""
-    name = request.draft or ""
+    name = (name if name is not None else request.draft) or ""
     return name if request.params.greedy else name + SAMPLED
 
 
@@ -123,6 +124,7 @@ class DecodeEngine:
         self.prefill_graphs = prefill_graphs and use_graphs
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
+        self.alternatives: dict[str, tuple[str, ...]] = {}  # draft name -> drafts its requests may run instead
         self.history: torch.Tensor | None = None  # with a LookupDraft: (cache rows, positions) token ids
         self.draft_cache: KVCache | None = None
         self.slots: list[SlotState | None] = [None] * max_batch_size
@@ -192,8 +194,28 @@ class DecodeEngine:
                 self.gamma.forget(mode)  # the new version's acceptance is its own
         self.drafts[name] = draft
 
+    def set_alternatives(self, name: str, alternatives: Iterable[str]) -> None:
+        """Requests naming draft `name` may run one of these loaded drafts instead, whichever the governor measures
+        cheapest a token at the batch size they run in (`SpeculationGovernor.choose`; each is measured and judged
+        apart, as "<name>/<alternative>", and tried now and then). Typically the n-gram lookup drafter
+        (`add_draft("lookup", LookupDraft())`): on text that repeats itself it beats a trained draft, elsewhere
+        it does not. Without the governor, requests run their own draft. An empty list removes them."""
+        alternatives = tuple(alternatives)
+        missing = [a for a in alternatives if a not in self.drafts]
+        if missing:
+            raise ValueError(f"alternatives {missing} of draft {name!r} are not loaded; loaded: {sorted(self.drafts)}")
+        if any("/" in a for a in (name, *alternatives)):
+            raise ValueError(f"draft names with alternatives cannot contain '/': {name!r}, {list(alternatives)}")
+        if alternatives:
+            self.alternatives[name] = alternatives
+        else:
+            self.alternatives.pop(name, None)
+
     def remove_draft(self, name: str) -> None:
+        """Unload draft `name` (running requests keep it to their end) and its alternatives; requests naming it
+        are refused from now on. Where it is another draft's alternative, that draft's requests no longer run it."""
         self._wait_ahead()
+        self.alternatives.pop(name, None)
         old = self.drafts.pop(name, None)
         if old is not None:
             self.graphs.discard(id(old))
@@ -452,14 +474,14 @@ class DecodeEngine:
             outputs.append(self._commit(s, result.tokens[i]))
             if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
                     and self._governor_decides(s.request)
-                    and not self.governor.keep_speculating(governed(s.request), running, s.stats.recent)):
+                    and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
                 s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
         """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample)."""
         if seconds is not None:
-            for name in {governed(s.request) for s in spec_rows}:
+            for name in {governed(s.request, s.draft_name) for s in spec_rows}:
                 self.governor.observe_spec(name, running, seconds, sum(map(len, result.tokens)))
 
     def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
@@ -471,7 +493,7 @@ class DecodeEngine:
         seeded = self.pins_seeded and any(repeats_its_seed(s.request) for s in spec_rows)
         if not self.gamma.enabled:
             return (self._spec_at(self.spec.num_speculative_tokens, 1, pinned=True) if seeded else self.spec), None
-        names = [governed(s.request) for s in spec_rows]
+        names = [governed(s.request, s.draft_name) for s in spec_rows]
         drafts = [s.draft for s in spec_rows]
         greedy = all(s.request.params.greedy for s in spec_rows)
         # A one-graph mixed round runs every loaded draft (`graph_drafts`): priced as such.
@@ -612,18 +634,33 @@ class DecodeEngine:
         while free and self.waiting:
             req = self.waiting.popleft()
             slot = free.pop(0)
-            draft = self.drafts.get(req.draft) if req.draft is not None else None
-            if draft is not None and self._governor_decides(req) and not self.governor.allow(governed(req), rows):
-                draft = None  # speculation does not pay for this draft right now: plain decoding
+            draft, name = self._pick_draft(req, rows)
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
-            state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft)
+            state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft, draft_name=name)
             self.slots[slot] = state
             self._reset_row(slot)
             batch.append(state)
         if not batch:
             return []
         return self._prefill(batch)
+
+    def _pick_draft(self, req: Request, rows: int) -> tuple[Draft | None, str | None]:
+        """(the drafter a new request runs, the name it is judged under), or (None, None) for plain decoding: its
+        own draft, or one of the draft's alternatives (`set_alternatives`), as the governor chooses for a batch
+        of about `rows` (`SpeculationGovernor.choose`: the cheapest a token of those that pay). A seeded sampled
+        request keeps its own draft (its tokens must not depend on the load)."""
+        if req.draft is None or req.draft not in self.drafts:
+            return None, None
+        names = [req.draft] + [f"{req.draft}/{alt}" for alt in self.alternatives.get(req.draft, ())
+                               if alt in self.drafts and alt != req.draft]
+        if not self._governor_decides(req):
+            return self.drafts[req.draft], req.draft
+        pick = self.governor.choose([governed(req, n) for n in names], rows)
+        if pick is None:
+            return None, None  # speculation does not pay for this draft right now: plain decoding
+        name = names[pick]
+        return self.drafts[name.rpartition("/")[2] if pick else name], name
 
     def _reset_row(self, slot: int) -> None:
         if isinstance(self.draft_cache, WindowedKVCache):
@@ -1084,7 +1121,7 @@ class DecodeEngine:
             prompt_tokens=len(s.request.prompt_ids),
             completion_tokens=len(s.output_ids),
             stats=s.stats if s.stats.rounds else None,
-            draft=s.request.draft if s.stats.rounds else None,
+            draft=s.draft_name if s.stats.rounds else None,
         )
 
 

@@ -142,7 +142,7 @@ def bench_ar(
 @bench_app.command("spec")
 def bench_spec(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
-    draft: Annotated[list[str], typer.Option(help="Draft(s) to measure: a domain, a folder, 'untrained:N,A,HEAD,FEATURE', or 'lookup' (n-gram lookup).")] = ["code"],
+    draft: Annotated[list[str], typer.Option(help="Draft(s) to measure: a domain, a folder, 'untrained:N,A,HEAD,FEATURE', 'lookup' (n-gram lookup), or D+lookup (draft D with the lookup drafter as its alternative, the governor picking).")] = ["code"],
     domain: Annotated[str, typer.Option(help="Held-out prompts of this domain.")] = "code",
     prompts: Annotated[int, typer.Option(help="Prompts to run.")] = 4,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 256,

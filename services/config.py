@@ -63,6 +63,13 @@ class AppArgs(BaseModel):
                             "triton's decode step is 0.95 ms against SDPA's 1.15 (bench/RESULTS.md).")
     governor: bool = Field(True, description="Switch speculation off per domain while it does not pay (never for a "
                                              "seeded sampled request: the same seed gives the same tokens).")
+    lookup_alternative: bool = Field(
+        True, description="With the governor: each domain's trained draft has the n-gram lookup drafter (no weights: a "
+                          "request's own earlier tokens propose its next ones) as an alternative; per domain and batch "
+                          "size the governor measures both and a new request runs the cheaper a token, each tried now "
+                          "and then (engine DecodeEngine.set_alternatives). Lookup wins where replies repeat their "
+                          "prompt or themselves (long documents, code edits), the drafts elsewhere. Same tokens either "
+                          "way. No effect without the governor, or on a domain whose version is 'lookup'.")
     overlap: bool = Field(
         True, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "
                           "speculative round) from the last one's outcome on the device before the host reads it, so "

@@ -100,6 +100,8 @@ class GeneratorCore:
                                   overlap=self.args.overlap)
             if self.args.governor:
                 engine.calibrate()  # the governor's plain-decoding cost before the first request
+                if self.args.lookup_alternative:  # each trained draft's alternative (`activate`)
+                    engine.add_draft(LOOKUP, LookupDraft())
         except Exception as exc:  # the replica fails to start and Serve reports why
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
@@ -126,6 +128,11 @@ class GeneratorCore:
         return n
 
     # ----- drafts --------------------------------------------------------------------------
+    @property
+    def _lookup_alternative(self) -> bool:
+        """Whether trained drafts get the lookup drafter as their alternative (`AppArgs.lookup_alternative`)."""
+        return self.args.governor and self.args.lookup_alternative
+
     def apply_user_config(self, config: GeneratorUserConfig) -> dict[str, str]:
         """Activate every domain's version (refused ones keep the old); drop domains left out."""
         self._desired = config
@@ -161,7 +168,13 @@ class GeneratorCore:
                         from engine.fused import fuse_for_inference
 
                         fuse_for_inference(draft)  # its own adapter layers; its trunk is the (fused) target's
-                self.loop.call(lambda eng: eng.add_draft(domain, draft)).result(timeout=120)
+                alternatives = [LOOKUP] if self._lookup_alternative and version != LOOKUP else []
+
+                def install(eng) -> None:
+                    eng.add_draft(domain, draft)
+                    eng.set_alternatives(domain, alternatives)
+
+                self.loop.call(install).result(timeout=120)
             except DraftRefused as exc:
                 self.refusals[domain] = str(exc)
                 log.warning("refused draft %s/%s: %s", domain, version, exc)

@@ -302,3 +302,35 @@ def test_lookup_rows_run_the_requests_on_a_lookup_drafter(tiny_target):
     assert row.outs[0].stats.rounds > 0  # its request ran lookup rounds
     bench.args.lookup = ()
     assert lookup_rows(bench, workload, None) == []
+
+
+def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tiny_target):
+    """With the best drafts, --lookup adds the service's setting where each draft has the lookup drafter as an
+    alternative (`DecodeEngine.set_alternatives`): the governor tries both, then runs the cheaper; every request's
+    tokens are plain decoding's."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [4, 4, 5, 4, 4, 5], [7, 3, 7, 3, 7, 3]]
+    workload = (prompts, ["code"] * 4, 12, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    name = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
+    assert list(rows)[-1] == name
+    row = rows[name]()
+    assert row.eng.alternatives == {"code": ("lookup",)} and row.gov is not None
+    row.timed_pass()
+    ran = row.gov.snapshot()["spec_samples"]
+    assert ran.get("code@1", 0) > 0 and ran.get("code/lookup@1", 0) > 0  # both were tried
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=())
+    plain = generate(DecodeEngine(tiny_target.model, None, max_batch_size=1, max_seq_len=64), prompts, [params] * 4)
+    assert [o.token_ids for o in row.outs] == [o.token_ids for o in plain]

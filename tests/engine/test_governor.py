@@ -443,3 +443,100 @@ def test_a_lone_request_the_draft_fits_badly_decodes_plainly_after_a_window_and_
     assert tokens == ar.token_ids
     assert last.stats.rounds == REQUEST_WINDOW and last.stats.mean_accepted_length < 1.5
     assert gov.decisions["dropped"] == 1
+
+
+def test_choose_tries_each_unmeasured_candidate_then_takes_the_cheapest_that_pays():
+    gov = SpeculationGovernor(probe_every=4)
+    assert gov.choose(["code", "code/lookup"]) == 0  # nothing measured: the request's own draft first
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.006)
+    assert gov.choose(["code", "code/lookup"]) == 1  # the alternative is not measured yet: tried
+    feed(gov, "code/lookup", ar_cost=0.010, spec_cost=0.004)
+    picks = [gov.choose(["code", "code/lookup"]) for _ in range(6)]
+    assert picks == [1, 0, 1, 1, 1, 0]  # the cheaper; every 4th admission (the 4th, the 8th) probes the other
+    feed(gov, "code/lookup", ar_cost=0.010, spec_cost=0.009, n=400)  # lookup now costs more than the draft
+    assert gov.choose(["code", "code/lookup"]) == 0
+
+
+def test_choose_decodes_plainly_when_no_candidate_pays_except_probes_in_turn():
+    gov = SpeculationGovernor(probe_every=2)
+    feed(gov, "a", ar_cost=0.010, spec_cost=0.020)
+    feed(gov, "a/b", ar_cost=0.010, spec_cost=0.030)
+    feed(gov, "a/c", ar_cost=0.010, spec_cost=0.040)
+    picks = [gov.choose(["a", "a/b", "a/c"]) for _ in range(8)]
+    assert picks == [None, 0, None, 1, None, 2, None, 0]  # probes take turns over every candidate
+    assert gov.snapshot()["decisions"]["probes"] == 4
+
+
+def test_choose_probes_a_candidate_with_no_round_for_a_while():
+    now = [0.0]
+    gov = SpeculationGovernor(probe_every=1000, probe_seconds=10.0, clock=lambda: now[0])
+    feed(gov, "a", ar_cost=0.010, spec_cost=0.005)
+    feed(gov, "a/b", ar_cost=0.010, spec_cost=0.008)
+    assert [gov.choose(["a", "a/b"]) for _ in range(2)] == [0, 0]
+    now[0] = 11.0
+    gov.observe_spec("a", 1, 0.015, 3)  # "a" runs; "a/b" had no round since 0
+    assert [gov.choose(["a", "a/b"]) for _ in range(3)] == [1, 0, 0]  # one probe of "a/b" per period
+
+
+def test_choose_with_one_candidate_is_allow_and_a_disabled_governor_keeps_the_request_s_draft():
+    gov = SpeculationGovernor(probe_every=4)
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
+    assert [gov.choose(["code"]) for _ in range(4)] == [None, None, None, 0]
+    off = SpeculationGovernor(enabled=False)
+    feed(off, "code/lookup", ar_cost=0.010, spec_cost=0.001)
+    assert off.choose(["code", "code/lookup"]) == 0
+    import pytest
+
+    with pytest.raises(ValueError, match="at least one"):
+        gov.choose([])
+
+
+def test_a_request_runs_the_alternative_the_governor_prices_cheaper_and_output_is_unchanged(tiny):
+    """A draft with the lookup drafter as its alternative: measured costs pick which one a new request runs; the
+    row is judged under "<draft>/lookup" from then on, and its tokens are plain decoding's either way."""
+    from engine.lookup import LookupDraft
+    from engine.requests import Request
+    from engine.scheduler import DecodeEngine
+
+    target, draft, prompt, params, ar = _untrained_draft_case(tiny, 24)
+    for cheap in ("d/lookup", "d"):
+        gov = SpeculationGovernor(min_samples=2, probe_every=1000)
+        eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov)
+        eng.add_draft("d", draft)
+        eng.add_draft("lookup", LookupDraft())
+        eng.set_alternatives("d", ["lookup"])
+        feed(gov, "d", ar_cost=0.010, spec_cost=0.002 if cheap == "d" else 0.008)
+        feed(gov, "d/lookup", ar_cost=0.010, spec_cost=0.002 if cheap == "d/lookup" else 0.008)
+        eng.add_request(Request("r", prompt, params, "d"))
+        outs = []
+        while not (outs and outs[-1].finished):
+            outs += eng.step()
+        assert [t for o in outs for t in o.token_ids] == ar.token_ids
+        assert outs[-1].draft == cheap and outs[-1].stats.rounds > 0
+        assert gov.snapshot()["spec_samples"][f"{cheap}@1"] > 16  # its rounds were charged to what ran
+
+
+def test_alternatives_must_be_loaded_and_are_skipped_once_removed(tiny):
+    import pytest
+
+    from engine.lookup import LookupDraft
+    from engine.requests import Request
+    from engine.scheduler import DecodeEngine
+
+    target, draft, prompt, params, ar = _untrained_draft_case(tiny, 8)
+    gov = SpeculationGovernor(min_samples=2)
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=64, governor=gov)
+    eng.add_draft("d", draft)
+    with pytest.raises(ValueError, match="not loaded"):
+        eng.set_alternatives("d", ["lookup"])
+    eng.add_draft("lookup", LookupDraft())
+    eng.set_alternatives("d", ["lookup"])
+    eng.remove_draft("lookup")
+    feed(gov, "d", ar_cost=0.010, spec_cost=0.002)
+    eng.add_request(Request("r", prompt, params, "d"))
+    outs = []
+    while not (outs and outs[-1].finished):
+        outs += eng.step()
+    assert outs[-1].draft == "d" and [t for o in outs for t in o.token_ids] == ar.token_ids
+    eng.set_alternatives("d", [])
+    assert "d" not in eng.alternatives

@@ -18,3 +18,31 @@ def test_a_domain_on_the_lookup_drafter_gives_plain_decoding_s_text_in_rounds(ap
         assert type(core.loop.engine.drafts["code"]).__name__ == "DraftModel"
     finally:
         core.loop.stop()
+
+
+def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_governor(app_args):
+    """lookup_alternative (on by default, with the governor): each trained draft may be replaced per request by the
+    lookup drafter, as the governor measures them; a domain on 'lookup' itself has no alternative; text unchanged."""
+    args = AppArgs.model_validate({**app_args, "max_batch_size": 2, "governor": True})
+    assert args.lookup_alternative
+    core = GeneratorCore(args, registry=None)
+    try:
+        eng = core.loop.engine
+        assert type(eng.drafts["lookup"]).__name__ == "LookupDraft"
+        assert core.activate("code", "v1") == "ok"
+        assert eng.alternatives == {"code": ("lookup",)}
+        plain = _complete(core, None, "plain")
+        texts = {_complete(core, "code", f"r{i}")[0] for i in range(3)}  # the draft, then lookup, then the cheaper
+        assert texts == {plain[0]}
+        samples = eng.governor.snapshot()["spec_samples"]
+        assert samples.get("code@1", 0) > 0 and samples.get("code/lookup@1", 0) > 0  # both were measured
+        assert core.activate("code", "lookup") == "ok"
+        assert eng.alternatives == {}
+    finally:
+        core.loop.stop()
+    off = GeneratorCore(AppArgs.model_validate({**app_args, "governor": True, "lookup_alternative": False}), registry=None)
+    try:
+        assert off.activate("code", "v1") == "ok"
+        assert "lookup" not in off.loop.engine.drafts and off.loop.engine.alternatives == {}
+    finally:
+        off.loop.stop()
