@@ -75,7 +75,7 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         max_new_tokens: int = 256, gamma: int | tuple[int, ...] = 5, threads: int = 0, split: str = "test",
         blocks: tuple[int, ...] | None = None, confidences: tuple[float, ...] = (0.0,), repeats: int = 1,
         temperature: float = 0.0, draft_temperatures: tuple[float | None, ...] = (None,),
-        full_vocab_draws: bool = False, trees: tuple[int, ...] = (1,)) -> list[dict]:
+        full_vocab_draws: bool = False, trees: tuple[int, ...] = (1,), shape: str = "request") -> list[dict]:
     """Engine AR, then each draft at each block size and draft_confidence, side by side in one run.
 
     The passes interleave: AR, every FlashSpec row, AR, every FlashSpec row, ..., AR. Each FlashSpec
@@ -87,7 +87,9 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     Verification uses the distribution the draft sampled from, so every value is lossless; what changes
     is how often the target accepts. `full_vocab_draws` (sampled runs) adds each sampled row again with the
     draft's tokens drawn over the whole vocabulary instead of its sub-vocabulary (`SpecConfig.sub_vocab_draws`).
-    `trees`: draft-tree widths, each a row (1: the chain; wider trees apply to greedy rounds, `engine.tree`)."""
+    `trees`: draft-tree widths, each a row (1: the chain; wider trees apply to greedy rounds, `engine.tree`).
+    `shape`: "request" (the split's plain requests) or "long" (the GPU benchmark's long shape: each request with
+    the next rows' documents appended to 512 tokens, `bench.export_prompts.shaped_prompts`)."""
     import statistics
 
     from bench.prompts import held_out_prompts
@@ -100,6 +102,10 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
 
     if repeats < 1:
         raise SystemExit(f"error: --repeats must be at least 1, got {repeats}")
+    for spec in drafts:
+        base, plus, alt = spec.partition("+")
+        if plus and alt != "lookup":
+            raise SystemExit(f"error: --draft {spec}: the only alternative is lookup ('{base}+lookup')")
     if temperature == 0 and full_vocab_draws:
         raise SystemExit("error: --full-vocab-draws compares how sampled rounds draw; add --temperature T (T > 0)")
     if temperature == 0 and any(t is not None for t in draft_temperatures):
@@ -108,7 +114,15 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
         torch.set_num_threads(threads)
     loaded = load_model("default", device=device)
     tok = loaded.tokenizer
-    prompts, source = held_out_prompts(tok, domain, n_prompts, split)
+    if shape == "long":
+        from bench.ngram_headroom import prompts_of
+
+        prompts = prompts_of("long", domain, tok, n_prompts, split)
+        source = f"{domain} {split} split in the GPU benchmark's long shape ({len(prompts)} prompts of 512 tokens)"
+    elif shape == "request":
+        prompts, source = held_out_prompts(tok, domain, n_prompts, split)
+    else:
+        raise SystemExit(f"error: --shape {shape!r}: use request or long")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature)
     max_len = max(len(p) for p in prompts) + max_new_tokens + 8
     ar_engine = DecodeEngine(loaded.model, tok, max_batch_size=1, max_seq_len=max_len)
@@ -117,9 +131,7 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     configs = []
     for spec in drafts:
         # 'D+lookup': draft D with the lookup drafter as its alternative, the governor choosing (the service's way)
-        base, plus, alt = spec.partition("+")
-        if plus and alt != "lookup":
-            raise SystemExit(f"error: --draft {spec}: the only alternative is lookup ('{base}+lookup')")
+        base, plus, _ = spec.partition("+")
         draft = load_bench_draft(base, loaded.model)
         for g in gammas:
             # a block longer than gamma is one verify per round: block = gamma

@@ -158,6 +158,7 @@ def bench_spec(
     full_vocab_draws: Annotated[bool, typer.Option(
         help="With --temperature: each row again, the draft's tokens drawn over the whole vocabulary, not its sub-vocabulary.")] = False,
     tree_width: Annotated[list[int], typer.Option(help="Draft-tree width(s), each a row (1 = a chain; greedy rounds only).")] = [1],
+    shape: Annotated[str, typer.Option(help="request: the split's plain requests; long: the GPU benchmark's long shape (the request with the next rows' documents appended to 512 tokens).")] = "request",
 ) -> None:
     """AR vs FlashSpec tokens/s, mean accepted length and acceptance rate (block 2 and block gamma), one run."""
     from bench.spec import run
@@ -166,7 +167,7 @@ def bench_spec(
         threads=threads, split=split, blocks=tuple(block) if block else None, confidences=tuple(draft_confidence),
         repeats=repeats, temperature=temperature,
         draft_temperatures=tuple(draft_temperature) if draft_temperature else (None,), full_vocab_draws=full_vocab_draws,
-        trees=tuple(tree_width))
+        trees=tuple(tree_width), shape=shape)
 
 
 @app.command()

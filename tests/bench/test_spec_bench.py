@@ -113,3 +113,32 @@ def test_the_lookup_drafter_is_a_row_with_its_own_name(monkeypatch, tiny_target)
     rows = spec_bench.run(drafts=["lookup"], n_prompts=1, max_new_tokens=4, blocks=(5,))
     assert rows[1]["name"] == "FlashSpec lookup (n-gram lookup) gamma 5 block 5"
     assert rows[1]["speedup"] == pytest.approx(2.0)
+
+
+def test_a_draft_with_the_lookup_alternative_is_a_governed_row(monkeypatch, tiny_target):
+    """--draft D+lookup: draft D with the lookup drafter as its alternative and the governor choosing (the service's
+    way); the engine is set up so, and calibrated; other alternatives are refused."""
+    engines = []
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [20.0])
+    real_run = spec_bench.measure
+
+    def measure(engine, prompts, params, draft_name):
+        engines.append(engine)
+        return real_run(engine, prompts, params, draft_name)
+
+    monkeypatch.setattr(spec_bench, "measure", measure)
+    rows = spec_bench.run(drafts=["untrained:1,1,mlp_tied,deep+lookup"], n_prompts=1, max_new_tokens=4, blocks=(5,))
+    assert rows[1]["name"].startswith("FlashSpec untrained:1,1,mlp_tied,deep (N=1") and "or lookup (governor)" in rows[1]["name"]
+    eng = engines[2]  # warm-up and the first AR pass come first
+    assert eng.alternatives == {"d": ("lookup",)} and eng.governor.enabled and eng.governor.plain_samples(1) > 0
+    with pytest.raises(SystemExit, match="only alternative is lookup"):
+        spec_bench.run(drafts=["code+other"], n_prompts=1, max_new_tokens=4)
+
+
+def test_the_long_shape_takes_the_gpu_benchmark_s_prompts(monkeypatch, tiny_target, capsys):
+    fake_measures(monkeypatch, tiny_target, [99.0, 10.0, 10.0], [20.0])
+    monkeypatch.setattr("bench.ngram_headroom.prompts_of", lambda shape, domain, tok, n, split: [[5, 6, 7, 8, 9]] * n)
+    spec_bench.run(drafts=["lookup"], n_prompts=2, max_new_tokens=4, blocks=(5,), shape="long")
+    assert "code test split in the GPU benchmark's long shape (2 prompts" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--shape"):
+        spec_bench.run(drafts=["lookup"], n_prompts=1, max_new_tokens=4, shape="wide")
