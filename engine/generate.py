@@ -23,6 +23,7 @@ class GenerationResult:
     prefill_ms: float  # admission + prefill + first token
     decode_tokens_per_s: float  # tokens after the first over the time after the first
     stats: SpecStats | None = None
+    draft: str | None = None  # what its rounds ran: its draft, or "<draft>/<alternative>" (None: no round)
 
     def to_dict(self) -> dict:
         out = {
@@ -35,6 +36,7 @@ class GenerationResult:
         }
         if self.stats is not None:
             out["stats"] = self.stats.to_dict()
+            out["draft"] = self.draft
         return out
 
 
@@ -73,7 +75,7 @@ def generate(engine: DecodeEngine, prompts: list[list[int]], params: SamplingPar
         rest = max(len(tokens[rid]) - 1, 0)
         rate = rest / (end - first) if end > first and rest else 0.0
         results.append(GenerationResult(tokens[rid], "".join(texts[rid]), out.finish_reason, out.prompt_tokens,
-                                        (first - started) * 1000, rate, out.stats))
+                                        (first - started) * 1000, rate, out.stats, out.draft))
     return results
 
 

@@ -1106,6 +1106,27 @@ def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decod
         assert outs[0].stats.rounds and outs[1].stats.rounds and not (outs[2].stats and outs[2].stats.rounds)
 
 
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
+def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative_keep_plain_tokens(target, graphs,
+                                                                                                    overlap):
+    """Requests naming "d", whose alternative is the lookup drafter: the governor sends some to each (untried first,
+    then probes every other admission), so batches mix draft rows and lookup rows; every request gets plain
+    decoding's tokens, reported under what it ran."""
+    from engine.governor import SpeculationGovernor
+
+    gov = SpeculationGovernor(min_samples=2, probe_every=2)
+    eng = _lookup_engine(target, graphs, overlap, extra={"d": noisy(oracle(target), 0.4)}, governor=gov)
+    eng.set_alternatives("d", ["lookup"])
+    eng.calibrate(prompt_tokens=4)  # plain decoding's cost, as the service seeds it
+    lengths = (5, 17, 2, 30, 9, 11, 3, 7, 4, 13)  # more requests than rows: admissions after the first rounds
+    outs = generate(eng, prompts_for(target.args.vocab_size, lengths), SamplingParams(max_new_tokens=NEW,
+                                                                                      eos_token_ids=()), "d")
+    assert [o.token_ids for o in outs] == ar_greedy(target, lengths)
+    ran = {o.draft for o in outs}
+    assert {"d", "d/lookup"} <= ran, ran
+    assert {k.split("@")[0] for k in gov.snapshot()["spec_samples"]} <= {"d", "d/lookup"}
+
+
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
     params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=4)
     got = [generate(_lookup_engine(target, g), prompts_for(target.args.vocab_size, (9,)), params, "lookup")[0]
