@@ -316,8 +316,19 @@ class DecodeEngine:
         figures come from real traffic). Returns the graphs captured; without graphs it does nothing.
         """
         names = sorted(self.drafts)
-        return self._warm([[None], *([n] for n in names)] + ([names] if len(names) > 1 else []), max_len,
-                          prompt_len, sampling)
+        return self._warm([[None], *([n] for n in names)] + self._mixes(), max_len, prompt_len, sampling)
+
+    def _mixes(self) -> list[list[str]]:
+        """The mixes of drafts whose rounds warm-up runs: every loaded draft together (any mix of drafts runs
+        them all: one graph), and where the lookup drafter is loaded beside drafts, it first, then the drafts
+        (its rows beside draft rows are a graph of their own, which even a batch of two must meet)."""
+        names = sorted(self.drafts)
+        trained = [n for n in names if not is_lookup(self.drafts[n])]
+        looks = [n for n in names if is_lookup(self.drafts[n])]
+        mixes = [trained] if len(trained) > 1 else []
+        if trained and looks:
+            mixes.append([looks[0], *trained])
+        return mixes
 
     def warm_draft(self, name: str, max_len: int = 256, prompt_len: int = 32,
                    sampling: tuple[str, ...] | None = None, stop: Callable[[], bool] | None = None) -> int:
@@ -327,8 +338,7 @@ class DecodeEngine:
         the graphs captured."""
         if name not in self.drafts:
             raise KeyError(f"no draft named {name!r}")
-        names = sorted(self.drafts)
-        return self._warm([[name]] + ([names] if len(names) > 1 else []), max_len, prompt_len, sampling, stop)
+        return self._warm([[name]] + self._mixes(), max_len, prompt_len, sampling, stop)
 
     def _warm(self, mixes: list[list[str | None]], max_len: int, prompt_len: int, sampling: tuple[str, ...] | None,
               stop: Callable[[], bool] | None = None) -> int:
@@ -534,12 +544,17 @@ class DecodeEngine:
 
     def _spec_round(self, spec_rows: list[SlotState], t0: float):
         """One round for the speculating rows: a draft's round, a lookup round (rows holding a LookupDraft), or
-        for a batch of both kinds the two, one after the other, their results in the rows' order."""
+        for a batch of both kinds one captured round where greedy with graphs (the lookup rows' proposals in
+        place of drafted tokens, one verify pass: `launch_round`), else the two, one after the other, their
+        results in the rows' order."""
         lookup = [s for s in spec_rows if is_lookup(s.draft)]
         if not lookup:
             return self._draft_round(spec_rows, t0)
         if len(lookup) == len(spec_rows):
             return self._lookup_round(spec_rows)
+        greedy = all(s.request.params.greedy for s in spec_rows)
+        if captured_path(self, [s.draft for s in spec_rows], self.spec, spec_rows, greedy):
+            return self._draft_round(spec_rows, t0)
         drafting = [s for s in spec_rows if not is_lookup(s.draft)]
         parts = {id(s): (r, i) for rows, r in ((drafting, self._draft_round(drafting, t0)),
                                                (lookup, self._lookup_round(lookup)))

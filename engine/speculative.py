@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.cache import WindowedKVCache, row_index
-from engine.lookup import is_lookup
+from engine.lookup import is_lookup, propose
 from engine.model import StepContext
 from engine.requests import repeats_its_seed
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
@@ -366,9 +366,10 @@ def settle_draws(streams, starts: list[int], budget: int) -> None:
 def graph_drafts(eng: "DecodeEngine", drafts: list[Draft]) -> list[Draft]:
     """The drafts a captured round over rows holding `drafts` runs, in graph order (ascending ids: one graph
     key per draft or per mix): the one draft of a single-draft batch; for a mix, every loaded draft and any
-    replaced one the rows still hold (`launch_round`)."""
-    held = {id(d): d for d in drafts}
-    if len(held) > 1:
+    replaced one the rows still hold (`launch_round`). Rows holding the lookup drafter beside rows holding
+    drafts make a mix too; the lookup drafter itself is no draft of the graph."""
+    held = {id(d): d for d in drafts if not is_lookup(d)}
+    if len(held) > 1 or (held and any(is_lookup(d) for d in drafts)):  # a mix (lookup rows beside drafts are one)
         held.update((id(d), d) for d in eng.drafts.values() if not is_lookup(d))
     return sorted(held.values(), key=id)
 
@@ -388,9 +389,12 @@ def tree_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
 def captured_path(eng: "DecodeEngine", drafts: list[Draft], cfg: SpecConfig, slots: list | None = None,
                   greedy: bool | None = None) -> bool:
     """Whether `spec_round` runs these rows' round as one graph (`_captured_round`); with the rows and whether
-    they are all greedy, a draft tree's round counts too."""
+    they are all greedy, a draft tree's round counts too. Rows holding the lookup drafter beside rows holding
+    drafts share one only when greedy (sampled, they run a draft round and then a lookup round)."""
     if not eng.graphs.enabled:
         return False
+    if any(is_lookup(d) for d in drafts):  # lookup rows beside drafts: one greedy round (`launch_round`)
+        return greedy is True and len(cfg.blocks()) == 1 and eng.mixed_round_graph and not all(map(is_lookup, drafts))
     if slots is not None and tree_round(eng, slots, drafts, cfg, bool(greedy)):
         return True
     return len(cfg.blocks()) == 1 and (eng.mixed_round_graph or all(d is drafts[0] for d in drafts))
@@ -437,6 +441,11 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     Scattered cache rows run padded to a batch-size bucket with the rows as a graph input
     (`DecodeEngine.run_graph`). Same tokens as the general loop.
 
+    Greedy rows holding the n-gram lookup drafter (`engine.lookup`) may share the round with rows holding drafts:
+    a mix whose lookup rows take their proposal (`propose`, from the history buffer) where a draft's rows take
+    its tokens, step by step through the trunk, then the one verify pass for every row; the round writes its
+    tokens into the history as a lookup round does. One verify pass for both kinds, not one each.
+
     A round `cfg` (default: the engine's) makes a draft tree is `engine.tree.launch_tree_round`'s instead
     (same output).
     """
@@ -450,7 +459,12 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
     device = eng.device
     order = graph_drafts(eng, drafts)
     ids = {id(d): g for g, d in enumerate(order)}  # draft id -> its index in the graph
-    mixed = len(order) > 1
+    lookup = next((d for d in drafts if is_lookup(d)), None)  # the batch's rows look up with its first one's n
+    if lookup is not None:
+        if not greedy:
+            raise ValueError("sampled rows holding the lookup drafter run their own round (launch_lookup_round)")
+        ids[id(lookup)] = len(order)  # its rows: no draft's (their adapters write the scratch row)
+    mixed = len(order) > 1 or lookup is not None
     n_trunk = order[0].shared_layers
     any_deep = any(d.feature_input == "deep" for d in order)
     capture = feature_layers_of(order)  # only what this round's drafts fuse in
@@ -463,7 +477,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
         pending = torch.tensor([s.pending for s in slots], device=device)
     inputs = {"pending": pending, "pos0": pos0}
     if mixed:  # each row's draft (padding rows get draft 0 and the scratch row: nothing of theirs is read)
-        inputs["which"] = torch.tensor([ids[id(d)] for d in drafts], device=device)
+        inputs["which"] = torch.tensor([ids[id(lookup) if is_lookup(d) else id(d)] for d in drafts], device=device)
     filtered = False
     n_draws = 2 * gamma + 1  # `round_draws` of a one-block round at this gamma (cfg's own gamma may differ)
     if not greedy:
@@ -498,6 +512,10 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
         draws = None if greedy else uniform_at(state, 0, (pending.shape[0], n_draws))
         proxies: list = [None] * len(order)
         ar = torch.arange(pending.shape[0], device=pending.device)
+        if lookup is not None:  # the lookup rows' proposals, from each row's tokens up to its pending one
+            history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
+            proposals, _ = propose(history, pos0 + 1, gamma, lookup.max_n, lookup.min_n)
+            looks = which == len(order)
         for j in range(gamma + 1):
             positions = (pos0 + j)[:, None]  # (bucket, 1)
             trunk = model(tokens[:, None], positions, layers=range(0, n_trunk), cache=eng.cache, rows=rows,
@@ -531,6 +549,8 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                 break
             if greedy:
                 tokens = pick(predictions)  # (bucket,)
+                if lookup is not None:
+                    tokens = torch.where(looks, proposals[:, j], tokens)
             else:  # draw j of the round (the general loop's order: gamma draft samples, then the verifier's)
                 probs = processed_probs(pick(predictions), draft_temperature, top_k, top_p, filtered)
                 index = sample_with(probs, draws[:, j])
@@ -551,6 +571,12 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             res = verify_sampled(drafted, torch.stack(draft_probs, dim=1), target_probs, draws=draws[:, gamma:],
                                  draft_vocab=None if sub is None else vocab_rows,
                                  draft_index=None if sub is None else torch.stack(draft_index, dim=1))
+        if lookup is not None:  # every row's round into its history (only lookup rows ever read theirs)
+            steps = torch.arange(gamma, device=pos0.device)
+            history.scatter_(1, pos0[:, None] + 1 + steps[None], drafted)
+            history.scatter_(1, (pos0 + 1 + res.num_accepted)[:, None], res.next_token[:, None])
+            if not isinstance(rows, slice):
+                eng.history[rows] = history
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each row gets its own draft's features
@@ -558,7 +584,9 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    key = ("greedy-round" if greedy else ("sampled-round", filtered), len(order), kv_len, gamma, capture)
+    looked = None if lookup is None else (lookup.max_n, lookup.min_n)
+    key = ("greedy-round" if greedy else ("sampled-round", filtered), len(order), kv_len, gamma, capture) + (
+        (("lookup", *looked),) if looked else ())
     (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(ids))
     if not greedy:
         advance([s.random for s in slots], n_draws)

@@ -1104,6 +1104,37 @@ def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decod
                         ["lookup", "d", None, "lookup"])
         assert [o.token_ids for o in outs] == ar_greedy(target), graphs
         assert outs[0].stats.rounds and outs[1].stats.rounds and not (outs[2].stats and outs[2].stats.rounds)
+        if graphs:  # the lookup rows beside the draft's rows: one captured round, one verify pass for both kinds
+            keys = list(eng.graphs.graphs)
+            assert any(k[0] == "greedy-round" and ("lookup", 3, 2) in k for k in keys), keys
+            both = [k for k in keys if k[0] == "greedy-round" and ("lookup", 3, 2) in k]
+            assert both and all(k[1] == 1 for k in both)  # one draft in the graph; the lookup drafter is none
+
+
+def test_mixed_rounds_of_lookup_and_draft_rows_chain_with_overlap_and_warm_up_covers_them(target):
+    """Two drafts and the lookup drafter: warm-up captures the drafts' mix and the mix with lookup rows (a batch
+    of two included), so greedy traffic of any mix captures nothing more; overlapped, such rounds chain on the
+    device (the history written in the graph), and every request gets plain decoding's tokens."""
+    extra = {"d": noisy(oracle(target), 0.4), "e": noisy(oracle(target), 0.6)}
+    eng = _lookup_engine(target, "emulate", overlap=True, extra=extra)
+    assert eng._mixes() == [["d", "e"], ["lookup", "d", "e"]]
+    assert eng.warmup(max_len=64, prompt_len=4, sampling=("greedy",)) > 0
+    captured = eng.graphs.captures
+    chained, real = [], eng._launch_next_round
+    eng._launch_next_round = lambda *args: chained.append(1) or real(*args)
+    for mix in (["lookup", "d"], ["e", "lookup", "d", "lookup"], ["d", "e"], ["lookup", "e", None, "d"]):
+        n = len(mix)
+        outs = generate(eng, prompts_for(target.args.vocab_size)[:n], SamplingParams(max_new_tokens=20, eos_token_ids=()),
+                        mix)
+        assert [o.token_ids for o in outs] == [t[:20] for t in ar_greedy(target)[:n]], mix
+    assert eng.graphs.captures == captured  # nothing left to capture in traffic
+    assert chained  # mixed rounds chained on the device
+    # Sampled, lookup rows and draft rows run a draft round, then a lookup round: seeded, the tokens eager ones.
+    params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.9, seed=3)
+    got = [generate(_lookup_engine(target, g, extra=extra), prompts_for(target.args.vocab_size)[:3], params,
+                    ["lookup", "d", "lookup"]) for g in (None, "emulate")]
+    assert [o.token_ids for o in got[0]] == [o.token_ids for o in got[1]]
+    assert all(o.stats.rounds for o in got[1])
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])

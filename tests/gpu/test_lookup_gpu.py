@@ -84,3 +84,41 @@ def test_sampled_lookup_rounds_as_graphs_give_the_eager_rounds_tokens():
         eng.add_draft("lookup", LookupDraft())
         outs[(graphs, overlap)] = [o.token_ids for o in generate(eng, prompts, params, "lookup")]
     assert outs[(True, False)] == outs[(False, False)] == outs[(True, True)]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lookup_rows_beside_draft_rows_share_one_captured_round_with_plain_decoding_s_tokens(overlap):
+    """Greedy rows naming the lookup drafter batched with rows of a draft (and, as the governor picks it, the
+    draft's own requests split between the two): one captured round for both kinds (the lookup rows' proposals in
+    place of drafted tokens, one verify pass), chained with overlap; plain decoding's tokens."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.config import ModelArgs
+    from engine.generate import generate
+    from engine.governor import SpeculationGovernor
+    from engine.lookup import LookupDraft
+    from engine.model import Transformer
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    with torch.device("cuda"):
+        target = Transformer(args, max_seq_len=512).eval().requires_grad_(False)
+        draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+    draft.init_from_target()
+    draft.eval().requires_grad_(False)
+    prompts = [[1, 2, 3, 4, 5], [7, 0, 6], [2, 2, 5, 1, 0, 3, 4], [3, 3, 3, 3], [6, 1], [5, 4, 5, 4]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (60, 23, 47, 60, 31, 40)]
+    plain = generate(DecodeEngine(target, None, max_batch_size=4, max_seq_len=128), prompts, params)
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), overlap=overlap,
+                       governor=SpeculationGovernor(min_samples=2, probe_every=2))
+    eng.add_draft("d", draft)
+    eng.add_draft("lookup", LookupDraft())
+    eng.set_alternatives("d", ["lookup"])
+    eng.calibrate(prompt_tokens=4)
+    got = generate(eng, prompts, params, ["lookup", "d", "lookup", "d", "d", "d"])
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert any(k[0] == "greedy-round" and ("lookup", 3, 2) in k for k in eng.graphs.graphs)
