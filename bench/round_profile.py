@@ -642,12 +642,14 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
 
 
 @torch.no_grad()
-def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> None:
+def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False, lookup_alternative: bool = True) -> None:
     """What a serving replica's warm-up costs and whether it covers its traffic: the fused target with the
     three shipped drafts, adaptive gamma, `max_batch` rows, the service's 2,048-token context. Times
     `DecodeEngine.warmup` (every sampling kind) and the GPU memory its graphs hold; then runs greedy, T=1 and
     top-p traffic (long prompts of the three domains, twice as many requests as rows, so rows finish and
-    refill at scattered slots, and one-draft batches) and counts the graphs it still captures."""
+    refill at scattered slots, and one-draft batches) and counts the graphs it still captures. With
+    `lookup_alternative` (the service's default) the lookup drafter is loaded as every draft's alternative, and
+    the traffic includes batches of lookup rows beside draft rows."""
     from bench.gpu import pick_prompts
     from engine.gamma import GammaController
     from engine.sampling import SamplingParams
@@ -660,6 +662,12 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
                        gamma=GammaController(5), overlap=overlap)
     for name, draft in drafts.items():
         eng.add_draft(name, draft)
+    if lookup_alternative:  # as the service sets it up (`lookup_alternative`)
+        from engine.lookup import LookupDraft
+
+        eng.add_draft("lookup", LookupDraft())
+        for name in drafts:
+            eng.set_alternatives(name, ["lookup"])
     torch.cuda.synchronize()
     alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()
@@ -673,7 +681,10 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False) -> N
     data = json.loads(Path("bench/data/gpu_prompts.json").read_text())
     prompts, names = pick_prompts(data, "long", 2 * max_batch, long_prompts=2 * max_batch)
     for label, kind in (("greedy", {}), ("T=1", {"temperature": 1.0}), ("top-p 0.9", {"temperature": 1.0, "top_p": 0.9})):
-        for mix, rows in (("three drafts", names), ("code draft", ["code"] * len(prompts)), ("plain", None)):
+        mixes = [("three drafts", names), ("code draft", ["code"] * len(prompts)), ("plain", None)]
+        if lookup_alternative:  # the rows run what they name: lookup rows beside each domain's draft rows
+            mixes.append(("drafts and lookup", [n if i % 2 else "lookup" for i, n in enumerate(names)]))
+        for mix, rows in mixes:
             params = [SamplingParams(max_new_tokens=128 + 16 * (i % 5), eos_token_ids=(), seed=i, **kind)
                       for i in range(len(prompts))]
             before = eng.graphs.captures
@@ -744,6 +755,8 @@ def main() -> None:
     parser.add_argument("--warmup", action="store_true",
                         help="only a serving engine's warm-up (time, graphs, memory) and the captures its traffic still needs")
     parser.add_argument("--overlap", action="store_true", help="--warmup with DecodeEngine(overlap=True)")
+    parser.add_argument("--no-lookup-alternative", action="store_true",
+                        help="--warmup without the lookup drafter as the drafts' alternative (the service's default)")
     parser.add_argument("--no-small-kernels", action="store_true",
                         help="without engine.triton_kernels (KV-cache write and argmax by indexing and torch.argmax)")
     parser.add_argument("--no-sampling-kernels", action="store_true",
@@ -784,7 +797,7 @@ def main() -> None:
     elif args.profiler_effect:
         profiler_effect()
     elif args.warmup:
-        warmup_probe(args.attention, overlap=args.overlap)
+        warmup_probe(args.attention, overlap=args.overlap, lookup_alternative=not args.no_lookup_alternative)
     elif args.engine_graphs:
         engine_graphs(args.attention, args.engine_graphs,
                       only=args.cases.split(";") if args.cases else None,

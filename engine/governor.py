@@ -200,8 +200,11 @@ class SpeculationGovernor:
         it may run instead (`DecodeEngine.set_alternatives`: the n-gram lookup drafter, say). Each is measured
         and judged as `allow` judges one draft; of those that pay, the cheapest a token wins. A candidate not
         yet measured at this batch size is tried first (in order), so every one gets its estimate; the others
-        are probed now and then as `allow` probes a draft that does not pay (every `probe_every`-th admission,
-        taking turns, and a candidate with no round for `probe_seconds`), so the choice follows the traffic."""
+        are probed now and then (every `probe_every`-th admission, taking turns; while none pays, also the first
+        admission after `probe_seconds` without a round of one, as `allow` probes a draft that does not pay), so
+        the choice follows the traffic. A probe runs a whole request on a worse candidate, so while one pays,
+        the clock does not probe: where requests take longer than `probe_seconds` (on a CPU) it would probe
+        every other one."""
         if not drafts:
             raise ValueError("choose needs at least one draft")
         if not self.enabled:
@@ -229,7 +232,9 @@ class SpeculationGovernor:
                           if c[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(c[1], ar[1]))]
                 pick = min(paying, key=lambda i: costs[i][0]) if paying else None
                 others = [i for i in range(len(drafts)) if i != pick]
-                probe = (stale[0] if stale and stale[0] != pick else
+                # A quiet period probes only while nothing pays (so speculation can come back, as `allow` does);
+                # while one candidate pays, a probe costs a request at a worse one: by count alone.
+                probe = (stale[0] if stale and pick is None else
                          others[(n // self.probe_every - 1) % len(others)] if n % self.probe_every == 0 else None)
                 if probe is not None:
                     pick = probe

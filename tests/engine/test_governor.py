@@ -467,7 +467,10 @@ def test_choose_decodes_plainly_when_no_candidate_pays_except_probes_in_turn():
     assert gov.snapshot()["decisions"]["probes"] == 4
 
 
-def test_choose_probes_a_candidate_with_no_round_for_a_while():
+def test_choose_probes_after_a_quiet_period_only_while_no_candidate_pays():
+    """While one candidate pays, a quiet period probes nothing (a probe runs a whole request on a worse candidate,
+    and where requests take longer than the period it would be every other one); while none pays, the first
+    admission after it speculates with a candidate that had no round since, once a period."""
     now = [0.0]
     gov = SpeculationGovernor(probe_every=1000, probe_seconds=10.0, clock=lambda: now[0])
     feed(gov, "a", ar_cost=0.010, spec_cost=0.005)
@@ -475,7 +478,12 @@ def test_choose_probes_a_candidate_with_no_round_for_a_while():
     assert [gov.choose(["a", "a/b"]) for _ in range(2)] == [0, 0]
     now[0] = 11.0
     gov.observe_spec("a", 1, 0.015, 3)  # "a" runs; "a/b" had no round since 0
-    assert [gov.choose(["a", "a/b"]) for _ in range(3)] == [1, 0, 0]  # one probe of "a/b" per period
+    assert [gov.choose(["a", "a/b"]) for _ in range(3)] == [0, 0, 0]
+    feed(gov, "a", ar_cost=0.010, spec_cost=0.020, n=400)  # now neither pays
+    feed(gov, "a/b", ar_cost=0.010, spec_cost=0.020, n=400)
+    now[0] = 22.0
+    gov.observe_spec("a", 1, 0.060, 3)
+    assert [gov.choose(["a", "a/b"]) for _ in range(3)] == [1, None, None]  # one probe of "a/b" per period
 
 
 def test_choose_with_one_candidate_is_allow_and_a_disabled_governor_keeps_the_request_s_draft():
