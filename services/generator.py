@@ -128,6 +128,12 @@ class GeneratorCore:
         return n
 
     # ----- drafts --------------------------------------------------------------------------
+    def _drafter(self, ran: str | None) -> str:
+        """What a request's rounds ran, from the engine's name for it (`RequestOutput.draft`): "lookup" (the
+        lookup drafter, as the domain's alternative or its version) or "draft" (the domain's trained draft)."""
+        domain, _, alternative = (ran or "").partition("/")
+        return "lookup" if alternative == LOOKUP or self.versions.get(domain) == LOOKUP else "draft"
+
     @property
     def _lookup_alternative(self) -> bool:
         """Whether trained drafts get the lookup drafter as their alternative (`AppArgs.lookup_alternative`)."""
@@ -308,7 +314,8 @@ class GeneratorCore:
                            "tokens": sum(len(i.token_ids) for i in items), "finished": last.finished,
                            "finish_reason": last.finish_reason, "prompt_tokens": last.prompt_tokens,
                            "completion_tokens": last.completion_tokens,
-                           "stats": last.stats.to_dict() if last.stats is not None and last.finished else None}
+                           "stats": ({**last.stats.to_dict(), "drafter": self._drafter(last.draft)}
+                                     if last.stats is not None and last.finished else None)}
                 if error is not None:
                     done = True
                     yield error_item(error.status, error.message, "generation_failed" if error.status >= 500 else None)

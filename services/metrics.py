@@ -29,6 +29,10 @@ class Metrics:
                               ["domain", "fallback"], registry=r)
         self.speculation = Counter("flashspec_speculation_requests", "Requests by domain and speculation on/off.",
                                    ["domain", "speculation"], registry=r)
+        self.drafter = Counter("flashspec_drafter_requests",
+                               "Requests that ran speculative rounds, by domain and what drafted them: the domain's "
+                               "trained draft or the n-gram lookup drafter (the governor's choice).",
+                               ["domain", "drafter"], registry=r)
         self.ttft = Histogram("flashspec_time_to_first_token_seconds", "Time to first token.", ["domain"],
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("flashspec_time_per_output_token_seconds", "Time per output token after the first.",
@@ -51,6 +55,7 @@ class Metrics:
             if completion_tokens > 1:
                 self.tpot.labels(domain).observe((total_s - ttft_s) / (completion_tokens - 1))
         if stats:
+            self.drafter.labels(domain, stats.get("drafter", "draft")).inc()
             self.drafted.labels(domain).inc(stats["drafted"])
             self.accepted.labels(domain).inc(stats["accepted"])
             totals = self._totals.setdefault(domain, [0, 0])

@@ -14,6 +14,7 @@ def test_a_domain_on_the_lookup_drafter_gives_plain_decoding_s_text_in_rounds(ap
         assert type(core.loop.engine.drafts["code"]).__name__ == "LookupDraft"
         plain, (text, stats) = _complete(core, None, "plain"), _complete(core, "code", "lookup")
         assert text == plain[0] and stats["rounds"] > 0  # the lookup rounds' text is plain decoding's
+        assert stats["drafter"] == "lookup"
         assert core.activate("code", "v1") == "ok"  # back to a trained draft, as any version swap
         assert type(core.loop.engine.drafts["code"]).__name__ == "DraftModel"
     finally:
@@ -32,8 +33,9 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
         assert core.activate("code", "v1") == "ok"
         assert eng.alternatives == {"code": ("lookup",)}
         plain = _complete(core, None, "plain")
-        texts = {_complete(core, "code", f"r{i}")[0] for i in range(3)}  # the draft, then lookup, then the cheaper
-        assert texts == {plain[0]}
+        runs = [_complete(core, "code", f"r{i}") for i in range(3)]  # the draft until measured, then lookup
+        assert {text for text, _ in runs} == {plain[0]}
+        assert {stats["drafter"] for _, stats in runs} == {"draft", "lookup"}
         samples = eng.governor.snapshot()["spec_samples"]
         assert samples.get("code@1", 0) > 0 and samples.get("code/lookup@1", 0) > 0  # both were measured
         assert core.activate("code", "lookup") == "ok"

@@ -321,6 +321,7 @@ def test_metrics_count_requests_tokens_and_speculation(base):
                    'flashspec_tokens_total{kind="completion"}', 'flashspec_draft_tokens_total{domain="code"}',
                    'flashspec_accepted_tokens_total{domain="code"}', 'flashspec_acceptance_rate{domain="code"}',
                    'flashspec_router_decisions_total{domain="code",fallback="false"}',
+                   'flashspec_drafter_requests_total{domain="code",drafter="draft"}',
                    "flashspec_time_to_first_token_seconds_bucket", "flashspec_time_per_output_token_seconds_bucket"):
         assert needle in text, needle
     rate = [line for line in text.splitlines() if line.startswith('flashspec_acceptance_rate{domain="code"}')][0]
