@@ -441,11 +441,9 @@ class EngineRow:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
             if lookup_alternative:
-                from engine.lookup import LookupDraft
+                from engine.lookup import add_lookup_alternative
 
-                self.eng.add_draft("lookup", LookupDraft())
-                for d in drafts:
-                    self.eng.set_alternatives(d, ["lookup"])
+                add_lookup_alternative(self.eng, drafts)
         self.names = [d if drafts else None for d in domains]
         self.params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0,
                                       seed=None if greedy else 1000 + i, eos_token_ids=()) for i in range(len(prompts))]

@@ -663,11 +663,9 @@ def warmup_probe(attention: str, max_batch: int = 8, overlap: bool = False, look
     for name, draft in drafts.items():
         eng.add_draft(name, draft)
     if lookup_alternative:  # as the service sets it up (`lookup_alternative`)
-        from engine.lookup import LookupDraft
+        from engine.lookup import add_lookup_alternative
 
-        eng.add_draft("lookup", LookupDraft())
-        for name in drafts:
-            eng.set_alternatives(name, ["lookup"])
+        add_lookup_alternative(eng, drafts)
     torch.cuda.synchronize()
     alloc0, reserved0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()

@@ -95,7 +95,7 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
     from bench.prompts import held_out_prompts
     from engine.governor import SpeculationGovernor
     from engine.loading import load_model
-    from engine.lookup import LookupDraft
+    from engine.lookup import add_lookup_alternative
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
@@ -144,8 +144,7 @@ def run(device: str = "cpu", drafts: list[str] = ("code",), domain: str = "code"
                                                       tree_width=width))
                 engine.add_draft("d", draft)
                 if plus:
-                    engine.add_draft("lookup", LookupDraft())
-                    engine.set_alternatives("d", ["lookup"])
+                    add_lookup_alternative(engine, ["d"])
                     engine.calibrate(prompt=prompts[0])
                 shape = ("n-gram lookup" if not hasattr(draft, "config") else
                          f"N={draft.shared_layers}, A={draft.adapter_layers}, {draft.config.head}, "

@@ -170,8 +170,12 @@ class SpeculationGovernor:
         ar = self._cost(self._ar, lambda b: b, bucket)
         if spec is None or ar is None:
             return None
-        margin = self.error_weight * math.hypot(spec[1], ar[1])
-        return spec[0] <= self.tolerance * ar[0] * (1 + margin)
+        return self._within(spec, ar)
+
+    def _within(self, spec: tuple[float, float], ar: tuple[float, float]) -> bool:
+        """Whether a speculative cost (seconds a token, relative error) is at most plain decoding's, within the
+        two estimates' combined standard error."""
+        return spec[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(spec[1], ar[1]))
 
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
@@ -228,8 +232,7 @@ class SpeculationGovernor:
             elif ar is None:
                 pick = min(range(len(drafts)), key=lambda i: costs[i][0])
             else:
-                paying = [i for i, c in enumerate(costs)
-                          if c[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(c[1], ar[1]))]
+                paying = [i for i, c in enumerate(costs) if self._within(c, ar)]
                 pick = min(paying, key=lambda i: costs[i][0]) if paying else None
                 others = [i for i in range(len(drafts)) if i != pick]
                 # A quiet period probes only while nothing pays (so speculation can come back, as `allow` does);

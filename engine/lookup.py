@@ -73,6 +73,25 @@ def is_lookup(draft) -> bool:
     return isinstance(draft, LookupDraft)
 
 
+def add_lookup_alternative(eng, names, name: str = "lookup") -> None:
+    """Register the lookup drafter under `name` and make it the alternative of each draft in `names`
+    (`DecodeEngine.set_alternatives`), as the service's `lookup_alternative` does."""
+    eng.add_draft(name, LookupDraft())
+    for draft in names:
+        eng.set_alternatives(draft, [name])
+
+
+def record_round(eng, history: torch.Tensor, rows, pos0: torch.Tensor, proposed: torch.Tensor, res) -> None:
+    """A round's tokens into the rows' history (`history` = eng.history[rows]: a view for a slice of rows, else a
+    gathered copy, written back): the proposed ones after each row's pending token, then the verdict's next token
+    after the accepted ones (what lies past a row's new length is never read)."""
+    steps = torch.arange(proposed.shape[1], device=pos0.device)
+    history.scatter_(1, pos0[:, None] + 1 + steps[None], proposed)
+    history.scatter_(1, (pos0 + 1 + res.num_accepted)[:, None], res.next_token[:, None])
+    if not isinstance(rows, slice):
+        eng.history[rows] = history
+
+
 def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool = True,
                         pending: torch.Tensor | None = None,
                         pos0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,10 +145,7 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
             one_point = torch.nn.functional.one_hot(proposals, vocab).to(target_probs.dtype)  # (b, gamma, V)
             draws = uniform_at(state, 0, (pending.shape[0], n_draws))
             res = verify_sampled(proposals, one_point, target_probs, draws=draws[:, gamma:])
-        history.scatter_(1, pos0[:, None] + 1 + steps[None, :gamma], proposals)
-        history.scatter_(1, (pos0 + 1 + res.num_accepted)[:, None], res.next_token[:, None])
-        if not isinstance(rows, slice):
-            eng.history[rows] = history
+        record_round(eng, history, rows, pos0, proposals, res)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], proposals], dim=1),)
 
     if not eng.graphs.enabled:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.cache import WindowedKVCache, row_index
-from engine.lookup import is_lookup, propose
+from engine.lookup import is_lookup, propose, record_round
 from engine.model import StepContext
 from engine.requests import repeats_its_seed
 from engine.sampling import (advance, needs_filters, param_tensors, processed_probs, sample, sample_with, stream_state,
@@ -572,11 +572,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
                                  draft_vocab=None if sub is None else vocab_rows,
                                  draft_index=None if sub is None else torch.stack(draft_index, dim=1))
         if lookup is not None:  # every row's round into its history (only lookup rows ever read theirs)
-            steps = torch.arange(gamma, device=pos0.device)
-            history.scatter_(1, pos0[:, None] + 1 + steps[None], drafted)
-            history.scatter_(1, (pos0 + 1 + res.num_accepted)[:, None], res.next_token[:, None])
-            if not isinstance(rows, slice):
-                eng.history[rows] = history
+            record_round(eng, history, rows, pos0, drafted, res)
         if any_deep:  # every row's buffers (only rows of deep drafts ever read theirs; padding hits the scratch row)
             feats = out.final_hidden
             if capture:  # each row gets its own draft's features
