@@ -71,8 +71,9 @@ def test_weight_read_before_the_wait_gives_the_same_bits(monkeypatch, step):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_a_bs_8_verify_pass_takes_the_separate_kernels():
-    """48 rows: no launch setting beat the separate kernels there on the H200 (run 24)."""
+def test_rows_past_max_rows_take_the_separate_kernels(monkeypatch):
+    """More rows than MAX_ROWS (FLASHSPEC_LAYER_ROWS=16, batch 1 only): the caller's separate kernels."""
+    monkeypatch.setattr(triton_layer, "MAX_ROWS", 16)
     inp = _inputs(48, torch.bfloat16, 3)
     assert triton_layer.norm_gate_up_silu(inp["x"], inp["delta"], inp["nw"], 1e-5, inp["wg"], I) is None
 
@@ -115,7 +116,8 @@ def test_projection_kernel_against_cublas_in_bf16(monkeypatch, n, k_in):
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1e-2)  # a bf16 unit or so: the sums' order
         for i in range(n):  # a row's output does not depend on the rows sharing its call
             assert torch.equal(triton_layer.project(x[i : i + 1], w, cfg), got[i : i + 1]), (i, cfg)
-    assert triton_layer.project(torch.randn(17, k_in, device="cuda").bfloat16(), w) is None  # past MAX_ROWS
+    past = torch.randn(triton_layer.MAX_ROWS + 1, k_in, device="cuda").bfloat16()
+    assert triton_layer.project(past, w) is None  # past MAX_ROWS
 
 
 def test_projection_kernel_inside_a_cuda_graph(monkeypatch):
