@@ -115,7 +115,7 @@ class SpeculationGovernor:
         self._spec: dict[tuple[str, int], _Rate] = {}
         self._admissions: dict[str, int] = {}
         # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
-        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0}
+        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
         self._lock = threading.Lock()
 
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
@@ -258,6 +258,17 @@ class SpeculationGovernor:
                 keep = self._request_pays(draft, recent) is not False
             self.decisions["dropped"] += not keep
             return keep
+
+    def may_pay(self, draft: str, rows: int = 1) -> bool:
+        """Whether `draft` is not known to cost more a token than plain decoding at about `rows` rows (unmeasured
+        there counts as may pay): may a running request move to it instead of dropping to plain decoding?"""
+        with self._lock:
+            return self._pays(draft, rows) is not False
+
+    def note_switch(self) -> None:
+        """A running request moved to an alternative instead of dropping to plain decoding (counted apart)."""
+        with self._lock:
+            self.decisions["switched"] += 1
 
     def request_pays(self, draft: str, recent: Sequence[int]) -> bool | None:
         """Does speculation pay for one request running alone, whose last rounds made `recent` tokens each?

@@ -110,6 +110,11 @@ class SlotState:
     # What its speculation is measured and judged under: its request's draft, or "<draft>/<alternative>" when the
     # governor picked an alternative (`DecodeEngine.set_alternatives`); None for plain decoding from the start.
     draft_name: str | None = None
+    # Rounds it had run when it last changed drafter (a draft it dropped for its lookup alternative): the governor
+    # judges its new drafter by the rounds since, and while `history_refills` > 0 the engine rewrites its lookup
+    # history from the host at each commit (a round launched before the change wrote none).
+    switched_at: int = 0
+    history_refills: int = 0
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
     pending: int = -1  # last produced token, not yet run through the model
     output_ids: list[int] = dataclasses.field(default_factory=list)

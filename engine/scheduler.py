@@ -482,11 +482,45 @@ class DecodeEngine:
             s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
-            if (s.draft is not None and self.slots[s.slot] is s and s.stats.rounds >= self.governor.min_samples
+            if s.history_refills and self.slots[s.slot] is s:
+                self._refill_history(s)
+            if (s.draft is not None and self.slots[s.slot] is s
+                    and s.stats.rounds - s.switched_at >= self.governor.min_samples
                     and self._governor_decides(s.request)
-                    and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
-                s.draft = None  # speculation does not pay here: plain decoding from the next step on
+                    and not self.governor.keep_speculating(governed(s.request, s.draft_name), running,
+                                                           list(s.stats.recent)[s.switched_at - s.stats.rounds:])):
+                if not self._switch_to_alternative(s, running):
+                    s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
+
+    def _switch_to_alternative(self, s: SlotState, running: int) -> bool:
+        """A greedy row whose own draft stops paying goes on with its draft's n-gram lookup alternative
+        (`set_alternatives`) instead of plain decoding, if the governor does not know that one not to pay at this
+        batch size: lookup needs no state of its own but the row's tokens, which the host has. At a batch of 8
+        this is how the batch gets to all-lookup rounds, the only kind that paid there on the H200 (run 32),
+        which rows tried one at a time beside plain rows never show. Sampled rows drop to plain decoding (a
+        sampled batch of both kinds runs two rounds a step), as does a row already on an alternative."""
+        req = s.request
+        if not req.params.greedy or s.draft_name != req.draft:
+            return False
+        for alt in self.alternatives.get(req.draft, ()):
+            name = f"{req.draft}/{alt}"
+            if (alt != req.draft and is_lookup(self.drafts.get(alt))
+                    and self.governor.may_pay(governed(req, name), running)):
+                s.draft, s.draft_name, s.switched_at = self.drafts[alt], name, s.stats.rounds
+                # Now, and at its next commit: a round already launched for it (overlap) ran its draft and
+                # wrote no history; what lookup proposes from a stale tail only costs acceptance, never tokens.
+                s.history_refills = 2
+                self._refill_history(s)
+                self.governor.note_switch()
+                return True
+        return False
+
+    def _refill_history(self, s: SlotState) -> None:
+        """Write a row's lookup history (prompt, then output: every token up to its pending one) from the host."""
+        ids = list(s.request.prompt_ids) + list(s.output_ids)
+        self.history[s.slot, : len(ids)] = torch.tensor(ids, dtype=self.history.dtype).to(self.device, non_blocking=False)
+        s.history_refills -= 1
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
         """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample)."""

@@ -1158,6 +1158,44 @@ def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative
     assert {k.split("@")[0] for k in gov.snapshot()["spec_samples"]} <= {"d", "d/lookup"}
 
 
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
+def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternative(target, graphs, overlap):
+    """The governor drops a lone request whose draft fits badly (an untrained one, about 1 token a round, against a
+    draft whose measured average pays); with the lookup drafter as that draft's alternative, not known not to pay,
+    the greedy request goes on with lookup rounds instead of plain decoding (its history written from the host,
+    also with a round in flight), with plain decoding's tokens, reported under what it ran last. A sampled one
+    drops to plain decoding."""
+    from engine.governor import SpeculationGovernor
+    from engine.scheduler import SAMPLED
+
+    def engine():
+        bad = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp", init_from_target=False))
+        gov = SpeculationGovernor(min_samples=2)
+        # Both pay on average at batch 1 and the draft is the cheaper a token, so requests start on it; its round
+        # (15 ms greedy, 55 ms sampled) then needs 1.5 and 5.5 tokens a round of a request to pay for it.
+        for suffix, seconds, tokens in (("", 0.015, 3), (SAMPLED, 0.055, 11)):
+            for _ in range(16):
+                gov.observe_ar(1, 0.010, 1)
+                gov.observe_spec("d" + suffix, 1, seconds, tokens)
+                gov.observe_spec("d/lookup" + suffix, 1, 0.018, 2)
+        gov.observe_ar = gov.observe_spec = lambda *args: None  # ... and this CPU's timings do not change that
+        eng = _lookup_engine(target, graphs, overlap, extra={"d": bad}, governor=gov)
+        eng.set_alternatives("d", ["lookup"])
+        return eng, gov
+
+    eng, gov = engine()
+    prompts = prompts_for(target.args.vocab_size, (5,))
+    out = generate(eng, prompts, SamplingParams(max_new_tokens=80, eos_token_ids=()), "d")[0]
+    assert out.token_ids == ar_greedy(target, (5,), 80)[0]
+    assert gov.decisions["switched"] == 1 and out.draft == "d/lookup"
+    assert not eng.has_work()
+    whole = list(prompts[0]) + out.token_ids  # its history holds every token, the draft's rounds' included
+    assert eng.history[0, : len(whole)].tolist() == whole
+    eng, gov = engine()
+    generate(eng, prompts, SamplingParams(max_new_tokens=80, eos_token_ids=(), temperature=1.0), "d")
+    assert gov.decisions["dropped"] == 1 and gov.decisions["switched"] == 0
+
+
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
     params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=4)
     got = [generate(_lookup_engine(target, g), prompts_for(target.args.vocab_size, (9,)), params, "lookup")[0]

@@ -28,7 +28,7 @@ def test_slow_draft_is_turned_off_except_probes():
     feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
     assert not gov.keep_speculating("code", 1)
     assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
-    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1}
+    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1, "switched": 0}
 
 
 def test_a_draft_off_for_a_while_is_probed_again_and_can_come_back():
@@ -244,7 +244,7 @@ def test_snapshot_reports_costs_and_sample_counts():
     gov.observe_spec("code", 8, 0.02, 10)
     snap = gov.snapshot()
     assert snap["ar_samples"] == {1: 3} and snap["spec_samples"] == {"code@8": 1}
-    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0}
+    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
     assert snap["ar_seconds_per_token"][1] == 0.01 and abs(snap["spec_seconds_per_token"]["code@8"] - 0.002) < 1e-12
 
 
