@@ -111,8 +111,8 @@ class SlotState:
     # governor picked an alternative (`DecodeEngine.set_alternatives`); None for plain decoding from the start.
     draft_name: str | None = None
     # Rounds it had run when it last changed drafter (a draft it dropped for its lookup alternative): the governor
-    # judges its new drafter by the rounds since, and while `history_refills` > 0 the engine rewrites its lookup
-    # history from the host at each commit (a round launched before the change wrote none).
+    # judges its new drafter from `min_samples` rounds later on, and while `history_refills` > 0 the engine
+    # rewrites its lookup history from the host at each commit (a round launched before the change wrote none).
     switched_at: int = 0
     history_refills: int = 0
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)

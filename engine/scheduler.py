@@ -487,8 +487,7 @@ class DecodeEngine:
             if (s.draft is not None and self.slots[s.slot] is s
                     and s.stats.rounds - s.switched_at >= self.governor.min_samples
                     and self._governor_decides(s.request)
-                    and not self.governor.keep_speculating(governed(s.request, s.draft_name), running,
-                                                           list(s.stats.recent)[s.switched_at - s.stats.rounds:])):
+                    and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
                 if not self._switch_to_alternative(s, running):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
         return outputs
@@ -503,14 +502,14 @@ class DecodeEngine:
         req = s.request
         if not req.params.greedy or s.draft_name != req.draft:
             return False
-        for alt in self.alternatives.get(req.draft, ()):
-            name = f"{req.draft}/{alt}"
-            if (alt != req.draft and is_lookup(self.drafts.get(alt))
-                    and self.governor.may_pay(governed(req, name), running)):
-                s.draft, s.draft_name, s.switched_at = self.drafts[alt], name, s.stats.rounds
-                # Now, and at its next commit: a round already launched for it (overlap) ran its draft and
-                # wrote no history; what lookup proposes from a stale tail only costs acceptance, never tokens.
-                s.history_refills = 2
+        for name, draft in self._candidates(req)[1:]:
+            if is_lookup(draft) and self.governor.may_pay(governed(req, name), running):
+                s.draft, s.draft_name, s.switched_at = draft, name, s.stats.rounds
+                s.stats.recent.clear()  # the per-request rule judges lookup by its own rounds
+                # Now, and once more at its next commit if a round was already launched for it (overlap): that one
+                # ran its draft and writes no history; what lookup proposes from a stale tail only costs
+                # acceptance, never tokens.
+                s.history_refills = 1 + (self._ahead is not None and any(r is s for r in self._ahead.batch))
                 self._refill_history(s)
                 self.governor.note_switch()
                 return True
@@ -518,8 +517,8 @@ class DecodeEngine:
 
     def _refill_history(self, s: SlotState) -> None:
         """Write a row's lookup history (prompt, then output: every token up to its pending one) from the host."""
-        ids = list(s.request.prompt_ids) + list(s.output_ids)
-        self.history[s.slot, : len(ids)] = torch.tensor(ids, dtype=self.history.dtype).to(self.device, non_blocking=False)
+        ids = list(s.request.prompt_ids) + s.output_ids
+        self.history[s.slot, : len(ids)] = torch.tensor(ids, dtype=self.history.dtype, device=self.device)
         s.history_refills -= 1
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
@@ -701,15 +700,21 @@ class DecodeEngine:
         request keeps its own draft (its tokens must not depend on the load)."""
         if req.draft is None or req.draft not in self.drafts:
             return None, None
-        names = [req.draft] + [f"{req.draft}/{alt}" for alt in self.alternatives.get(req.draft, ())
-                               if alt in self.drafts and alt != req.draft]
         if not self._governor_decides(req):
             return self.drafts[req.draft], req.draft
-        pick = self.governor.choose([governed(req, n) for n in names], rows)
+        candidates = self._candidates(req)
+        pick = self.governor.choose([governed(req, name) for name, _ in candidates], rows)
         if pick is None:
             return None, None  # speculation does not pay for this draft right now: plain decoding
-        name = names[pick]
-        return self.drafts[name.rpartition("/")[2] if pick else name], name
+        name, draft = candidates[pick]
+        return draft, name
+
+    def _candidates(self, req: Request) -> list[tuple[str, Draft]]:
+        """(the name it is judged under, the drafter) for a request's own draft, then for each of its draft's loaded
+        alternatives (`set_alternatives`), named "<draft>/<alternative>"."""
+        return [(req.draft, self.drafts[req.draft])] + [
+            (f"{req.draft}/{alt}", self.drafts[alt]) for alt in self.alternatives.get(req.draft, ())
+            if alt in self.drafts and alt != req.draft]
 
     def _reset_row(self, slot: int) -> None:
         if isinstance(self.draft_cache, WindowedKVCache):
