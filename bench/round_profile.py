@@ -543,7 +543,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     """Where a whole generation's time goes in the engine, graph by graph: the fused target and the shipped
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
-    `DecodeEngine(overlap=True)`; bs 1 draft trees of width 2 and 3, `SpecConfig.tree_width`). After a warm-up pass, a timed
+    `DecodeEngine(overlap=True)`; bs 1 draft trees of width 2 and 3, `SpecConfig.tree_width`; n-gram lookup rounds,
+    `engine.lookup`, at bs 1 and 8, sequential and overlapped). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
@@ -554,6 +555,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     softmax and inverse-CDF draws as torch ops), and its round's kernels less the kernels-on round's."""
     from bench.gpu import pick_prompts
     from engine.generate import generate
+    from engine.lookup import LookupDraft
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
@@ -569,7 +571,9 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
              ("bs 1, code draft, overlapped", 1, "code", True, True, 1),
              ("bs 1, plain, overlapped", 1, None, True, True, 1), ("bs 8, plain, overlapped", 8, None, True, True, 1),
              ("bs 1, code draft, tree 2", 1, "code", True, False, 2),
-             ("bs 1, code draft, tree 3", 1, "code", True, False, 3)]
+             ("bs 1, code draft, tree 3", 1, "code", True, False, 3),
+             ("bs 1, lookup", 1, "lookup", True, False, 1), ("bs 1, lookup, overlapped", 1, "lookup", True, True, 1),
+             ("bs 8, lookup", 8, "lookup", True, False, 1), ("bs 8, lookup, overlapped", 8, "lookup", True, True, 1)]
     if only:
         unknown = set(only) - {c[0] for c in cases}
         if unknown:
@@ -594,6 +598,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
                            overlap=overlap)
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
+        eng.add_draft("lookup", LookupDraft())
         params = [SamplingParams(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=i)
                   for i in range(len(prompts))]
         generate(eng, prompts, params, names)  # warm-up: captures every graph the pass needs

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import triton_kernels
+
 
 def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int = 3,
             min_n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,6 +26,9 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
     undefined). The same as `bench.ngram_headroom.ngram_lookup` on each row."""
     if gamma < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
+    fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n)  # one launch on the GPU
+    if fast is not None:
+        return fast
     b, s = history.shape
     lengths = lengths.to(device=history.device, dtype=torch.long)
     found = torch.zeros(b, dtype=torch.bool, device=history.device)

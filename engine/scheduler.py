@@ -522,10 +522,24 @@ class DecodeEngine:
         s.history_refills -= 1
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
-        """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample)."""
-        if seconds is not None:
-            for name in {governed(s.request, s.draft_name) for s in spec_rows}:
-                self.governor.observe_spec(name, running, seconds, sum(map(len, result.tokens)))
+        """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample). A round
+        of lookup rows beside draft rows is a sample of the drafts alone, charged what is left after the lookup
+        tokens' cost at lookup's own rate (`SpeculationGovernor.draft_step_seconds`): lookup is measured only
+        where no draft row shares its rounds."""
+        if seconds is None:
+            return
+        lookup = [i for i, s in enumerate(spec_rows) if is_lookup(s.draft)]
+        rows = [i for i in range(len(spec_rows)) if i not in lookup] if 0 < len(lookup) < len(spec_rows) else None
+        if rows is not None:
+            seconds = self.governor.draft_step_seconds(
+                running, seconds, [(governed(spec_rows[i].request, spec_rows[i].draft_name), len(result.tokens[i]))
+                                   for i in lookup])
+            if seconds is None:
+                return
+        rows = range(len(spec_rows)) if rows is None else rows
+        tokens = sum(len(result.tokens[i]) for i in rows)
+        for name in {governed(spec_rows[i].request, spec_rows[i].draft_name) for i in rows}:
+            self.governor.observe_spec(name, running, seconds, tokens)
 
     def _round_spec(self, spec_rows: list[SlotState]) -> tuple[SpecConfig, tuple | None]:
         """This round's SpecConfig: gamma (and, where the batch may take a draft tree, its width: chain or tree) at

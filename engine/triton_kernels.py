@@ -1,6 +1,7 @@
 """Small Triton kernels for the engine's short GPU steps (decode, draft and verify): the KV-cache write
 (alone, or with the fused path's rotary embedding), the argmax over the vocabulary, the sampled
-steps' uniform draws, tempered softmax and inverse-CDF draw, and the vocabulary projection.
+steps' uniform draws, tempered softmax and inverse-CDF draw, the vocabulary projection, and the n-gram
+lookup's proposals.
 
 Inside a CUDA graph of a small model a step's time is its kernels' own latencies, one after another
 (on the H200 about 1 us for the emptiest kernel; bench/RESULTS.md, runs 12-14). Writing a layer's new
@@ -320,7 +321,38 @@ def _kernels():
             tl.store(COS + i * D + d, tl.load(RC + p * src + d, mask=m, other=0.0).to(COS.dtype.element_ty), mask=d < D)
             tl.store(SIN + i * D + d, tl.load(RS + p * srs + d, mask=m, other=0.0).to(SIN.dtype.element_ty), mask=d < D)
 
-    return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
+    @triton.jit
+    def lookup_propose_kernel(H, LEN, PROP, COUNT, S, shb, shs, slb, gamma,
+                              MAX_N: tl.constexpr, MIN_N: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr,
+                              PDL: tl.constexpr = False):
+        """One program per row: the most recent earlier occurrence of its last n tokens, for n from MAX_N down to
+        MIN_N (the longest that occurred wins), and the up to gamma tokens that followed it."""
+        if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
+            gdc_wait()
+            gdc_launch_dependents()
+        r = tl.program_id(0).to(tl.int64)
+        row = H + r * shb
+        length = tl.load(LEN + r * slb).to(tl.int64)
+        found = length < 0  # False, as a scalar tensor
+        follow = length * 0
+        for k in tl.static_range(MAX_N - MIN_N + 1):
+            n = MAX_N - k
+            best = length * 0 - 1
+            for c in range(0, length, BLOCK):
+                p = c + tl.arange(0, BLOCK).to(tl.int64)
+                m = (p <= length - n - 1) & (p <= S - n)  # strictly before the suffix, inside the history
+                for j in tl.static_range(n):
+                    tail = tl.load(row + tl.minimum(tl.maximum(length - n + j, 0), S - 1) * shs)
+                    m = m & (tl.load(row + (p + j) * shs, mask=m, other=0) == tail)
+                best = tl.maximum(best, tl.max(tl.where(m, p, -1), axis=0))
+            take = (best >= 0) & (found == 0)
+            follow = tl.where(take, best + n, follow)
+            found = found | take
+        g = tl.arange(0, GP)
+        tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(follow + g, S - 1) * shs), mask=g < gamma)
+        tl.store(COUNT + r, tl.where(found, tl.minimum(tl.maximum(length - follow, 0), gamma), 0))
+
+    return types.SimpleNamespace(lookup_propose=lookup_propose_kernel, kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
                                  tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
                                  vocab_projection=vocab_projection_kernel, step_context=step_context_kernel)
@@ -455,6 +487,28 @@ def step_context(rope_cos: torch.Tensor, rope_sin: torch.Tensor, input_pos: torc
             rope_cos.stride(0), rope_sin.stride(0), D=d, DP=max(2, 1 << (d - 1).bit_length()), BLOCK_S=CONTEXT_BLOCK,
             num_warps=4, **pdl(input_pos))
     return cos, sin, mask
+
+
+LOOKUP_BLOCK = 1024  # history positions a program of lookup_propose compares at once
+
+
+def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int,
+                   min_n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`engine.lookup.propose` in one launch, the same tensors bit for bit: (proposals (b, gamma) of history's
+    dtype, counts (b,) int64). In torch it is about 20 small kernels for each n (shifted comparisons, a masked
+    maximum, gathers), each a node of a lookup round's graph. None for calls it does not serve."""
+    if (not ENABLED or not available() or not served(history, lengths) or history.dim() != 2
+            or history.dtype not in (torch.int64, torch.int32) or lengths.shape != history.shape[:1]
+            or lengths.dtype not in (torch.int64, torch.int32) or gamma < 1 or not 1 <= min_n <= max_n):
+        return None
+    b, s = history.shape
+    proposals = torch.empty(b, gamma, device=history.device, dtype=history.dtype)
+    counts = torch.empty(b, device=history.device, dtype=torch.int64)
+    if b:
+        _kernels().lookup_propose[(b,)](history, lengths, proposals, counts, s, *history.stride(), lengths.stride(0),
+                                        gamma, MAX_N=max_n, MIN_N=min_n, BLOCK=LOOKUP_BLOCK,
+                                        GP=max(2, 1 << (gamma - 1).bit_length()), num_warps=4, **pdl(history))
+    return proposals, counts
 
 
 def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.Tensor | None:

@@ -1141,8 +1141,8 @@ def test_mixed_rounds_of_lookup_and_draft_rows_chain_with_overlap_and_warm_up_co
 def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative_keep_plain_tokens(target, graphs,
                                                                                                     overlap):
     """Requests naming "d", whose alternative is the lookup drafter: the governor sends some to each (untried first,
-    then probes every other admission), so batches mix draft rows and lookup rows; every request gets plain
-    decoding's tokens, reported under what it ran."""
+    then probes every other admission; a draft row that does not pay may move to lookup), so batches mix draft
+    rows and lookup rows; every request gets plain decoding's tokens, reported under what it ran last."""
     from engine.governor import SpeculationGovernor
 
     gov = SpeculationGovernor(min_samples=2, probe_every=2)
@@ -1153,9 +1153,8 @@ def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative
     outs = generate(eng, prompts_for(target.args.vocab_size, lengths), SamplingParams(max_new_tokens=NEW,
                                                                                       eos_token_ids=()), "d")
     assert [o.token_ids for o in outs] == ar_greedy(target, lengths)
-    ran = {o.draft for o in outs}
-    assert {"d", "d/lookup"} <= ran, ran
-    assert {k.split("@")[0] for k in gov.snapshot()["spec_samples"]} <= {"d", "d/lookup"}
+    assert {o.draft for o in outs} <= {"d", "d/lookup", None}  # what each ran last (moved to lookup, or plain)
+    assert {k.split("@")[0] for k in gov.snapshot()["spec_samples"]} == {"d", "d/lookup"}  # both ran rounds
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])

@@ -258,6 +258,58 @@ def test_a_mixed_step_charges_speculation_what_the_plain_rows_did_not_cost():
     assert gov.spec_step_seconds(8, 0.020, 0.010, 28) == 0.010  # never less than the round itself
 
 
+def test_a_step_of_lookup_and_draft_rows_charges_the_drafts_what_the_lookup_tokens_did_not_cost():
+    gov = SpeculationGovernor(min_samples=1)
+    assert gov.draft_step_seconds(8, 0.030, [("code/lookup", 10)]) is None  # lookup's rate unknown yet
+    gov.observe_spec("code/lookup", 8, 0.002, 20)  # 0.1 ms a lookup token at 8 rows
+    gov.observe_spec("general/lookup", 4, 0.004, 10)  # 0.4 ms at 4 rows: 0.2 ms estimated at 8
+    # 10 lookup tokens of code (1 ms) and 5 of general (1 ms) in a 30 ms step: 28 ms are the drafts'.
+    assert abs(gov.draft_step_seconds(8, 0.030, [("code/lookup", 10), ("general/lookup", 5)]) - 0.028) < 1e-12
+    assert gov.draft_step_seconds(8, 0.001, [("code/lookup", 10)]) is None  # nothing left: no sample
+
+
+def test_lookup_is_measured_only_in_rounds_without_draft_rows(tiny):
+    """Lookup rows ride on the verify pass every row takes; draft rows also pay for their drafting chain. A round
+    of both kinds is no sample of lookup, and a sample of the drafts (their own tokens, charged the round less
+    the lookup tokens at lookup's rate) only once lookup's rate is known; rounds of lookup rows alone are
+    lookup's samples."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.lookup import LookupDraft
+    from engine.requests import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+
+    target = tiny.tiny_vocab_target(vocab_size=16)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp"))
+    gov = SpeculationGovernor(enabled=False, min_samples=1)  # records, never switches anything off
+    seen = []
+    observe_spec = gov.observe_spec
+    gov.observe_spec = lambda name, rows, seconds, tokens: (seen.append((name, rows, seconds, tokens)),
+                                                            observe_spec(name, rows, seconds, tokens))
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=())
+
+    def step(names):
+        eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=64, governor=gov, spec=SpecConfig(3, 3))
+        eng.add_draft("d", draft)
+        eng.add_draft("lookup", LookupDraft())
+        for i, name in enumerate(names):
+            eng.add_request(Request(f"r{i}", [1, 2, 3 + i] * 3, params, name))
+        eng.step()  # prefill and the first round
+        seen.clear()
+        return {o.request_id: len(o.token_ids) for o in eng.step()}
+
+    step(["d", "lookup", "lookup"])
+    assert seen == []  # lookup's rate at 3-4 rows is not known yet: no sample of either
+    made = step(["lookup", "lookup", "lookup"])
+    assert [(n, r, t) for n, r, _, t in seen] == [("lookup", 3, sum(made.values()))]  # a sample of lookup alone
+    assert seen[0][2] > 0
+    for _ in range(400):  # lookup tokens all but free from now on: the drafts are charged about the whole round
+        observe_spec("lookup", 3, 1e-9, 1)
+    made = step(["d", "lookup", "lookup"])
+    assert [(n, r, t) for n, r, _, t in seen] == [("d", 3, made["r0"])] and seen[0][2] > 0
+
+
 def test_plain_steps_cut_short_by_a_limit_are_no_cost_sample(tiny):
     """A plain step runs a fixed-length graph (4 tokens); a row near max_new_tokens keeps fewer of them.
     Priced per kept token such a step looks several times dearer than decoding is, and made plain

@@ -245,3 +245,28 @@ def test_step_context_equals_the_torch_path_inside_a_cuda_graph(monkeypatch, dty
         eng = DecodeEngine(model, None, max_batch_size=2, max_seq_len=128)
         outs.append([r.token_ids for r in generate(eng, prompts, SamplingParams(max_new_tokens=24, eos_token_ids=()))])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("b,s,vocab", [(1, 2048, 3), (8, 2048, 5), (16, 600, 2), (3, 9, 2)])
+def test_lookup_propose_equals_torch_inside_a_cuda_graph(monkeypatch, b, s, vocab):
+    from engine import lookup
+
+    g = torch.Generator(device="cuda").manual_seed(b * s)
+    history = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
+    lengths = torch.randint(0, s + 1, (b,), device="cuda", generator=g)
+    for gamma, max_n, min_n in ((5, 3, 2), (8, 3, 2), (1, 1, 1), (6, 4, 1)):
+        monkeypatch.setattr(triton_kernels, "ENABLED", False)
+        ref = lookup.propose(history, lengths, gamma, max_n, min_n)
+        monkeypatch.setattr(triton_kernels, "ENABLED", True)
+        assert all(torch.equal(f, r) for f, r in zip(triton_kernels.lookup_propose(history, lengths, gamma, max_n,
+                                                                                   min_n), ref))
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = lookup.propose(history, lengths, gamma, max_n, min_n)
+        history.copy_(torch.randint(0, vocab, (b, s), device="cuda", generator=g))  # new inputs, replayed
+        graph.replay()
+        monkeypatch.setattr(triton_kernels, "ENABLED", False)
+        ref = lookup.propose(history, lengths, gamma, max_n, min_n)
+        assert all(torch.equal(f, r) for f, r in zip(out, ref)), (gamma, max_n)
+        assert ref[1].any() or b * s < 100  # rows did find earlier occurrences
