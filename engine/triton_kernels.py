@@ -336,17 +336,18 @@ def _kernels():
         found = length < 0  # False, as a scalar tensor
         follow = length * 0
         for k in tl.static_range(MAX_N - MIN_N + 1):
-            n = MAX_N - k
+            # n = MAX_N - k, written out: a name assigned here would be a tensor, and static_range needs a constant
             best = length * 0 - 1
             for c in range(0, length, BLOCK):
                 p = c + tl.arange(0, BLOCK).to(tl.int64)
-                m = (p <= length - n - 1) & (p <= S - n)  # strictly before the suffix, inside the history
-                for j in tl.static_range(n):
-                    tail = tl.load(row + tl.minimum(tl.maximum(length - n + j, 0), S - 1) * shs)
+                # strictly before the suffix, inside the history
+                m = (p <= length - (MAX_N - k) - 1) & (p <= S - (MAX_N - k))
+                for j in tl.static_range(MAX_N - k):
+                    tail = tl.load(row + tl.minimum(tl.maximum(length - (MAX_N - k) + j, 0), S - 1) * shs)
                     m = m & (tl.load(row + (p + j) * shs, mask=m, other=0) == tail)
                 best = tl.maximum(best, tl.max(tl.where(m, p, -1), axis=0))
             take = (best >= 0) & (found == 0)
-            follow = tl.where(take, best + n, follow)
+            follow = tl.where(take, best + (MAX_N - k), follow)
             found = found | take
         g = tl.arange(0, GP)
         tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(follow + g, S - 1) * shs), mask=g < gamma)
