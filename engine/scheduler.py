@@ -526,17 +526,15 @@ class DecodeEngine:
         of lookup rows beside draft rows is a sample of the drafts alone, charged what is left after the lookup
         tokens' cost at lookup's own rate (`SpeculationGovernor.draft_step_seconds`): lookup is measured only
         where no draft row shares its rounds."""
-        if seconds is None:
-            return
         lookup = [i for i, s in enumerate(spec_rows) if is_lookup(s.draft)]
-        rows = [i for i in range(len(spec_rows)) if i not in lookup] if 0 < len(lookup) < len(spec_rows) else None
-        if rows is not None:
+        rows = range(len(spec_rows))
+        if seconds is not None and 0 < len(lookup) < len(spec_rows):
             seconds = self.governor.draft_step_seconds(
                 running, seconds, [(governed(spec_rows[i].request, spec_rows[i].draft_name), len(result.tokens[i]))
                                    for i in lookup])
-            if seconds is None:
-                return
-        rows = range(len(spec_rows)) if rows is None else rows
+            rows = [i for i in rows if i not in lookup]
+        if seconds is None:
+            return
         tokens = sum(len(result.tokens[i]) for i in rows)
         for name in {governed(spec_rows[i].request, spec_rows[i].draft_name) for i in rows}:
             self.governor.observe_spec(name, running, seconds, tokens)

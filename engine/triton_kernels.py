@@ -353,10 +353,11 @@ def _kernels():
         tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(follow + g, S - 1) * shs), mask=g < gamma)
         tl.store(COUNT + r, tl.where(found, tl.minimum(tl.maximum(length - follow, 0), gamma), 0))
 
-    return types.SimpleNamespace(lookup_propose=lookup_propose_kernel, kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
+    return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
                                  tempered_softmax=tempered_softmax_kernel, inverse_cdf=inverse_cdf_kernel,
-                                 vocab_projection=vocab_projection_kernel, step_context=step_context_kernel)
+                                 vocab_projection=vocab_projection_kernel, step_context=step_context_kernel,
+                                 lookup_propose=lookup_propose_kernel)
 
 
 @functools.lru_cache(maxsize=1)
