@@ -526,13 +526,13 @@ class DecodeEngine:
         of lookup rows beside draft rows is a sample of the drafts alone, charged what is left after the lookup
         tokens' cost at lookup's own rate (`SpeculationGovernor.draft_step_seconds`): lookup is measured only
         where no draft row shares its rounds."""
-        lookup = [i for i, s in enumerate(spec_rows) if is_lookup(s.draft)]
         rows = range(len(spec_rows))
-        if seconds is not None and 0 < len(lookup) < len(spec_rows):
+        lookup = [is_lookup(s.draft) for s in spec_rows]
+        if seconds is not None and any(lookup) and not all(lookup):
             seconds = self.governor.draft_step_seconds(
-                running, seconds, [(governed(spec_rows[i].request, spec_rows[i].draft_name), len(result.tokens[i]))
-                                   for i in lookup])
-            rows = [i for i in rows if i not in lookup]
+                running, seconds, [(governed(s.request, s.draft_name), len(tokens))
+                                   for s, tokens, looks in zip(spec_rows, result.tokens, lookup) if looks])
+            rows = [i for i, looks in enumerate(lookup) if not looks]
         if seconds is None:
             return
         tokens = sum(len(result.tokens[i]) for i in rows)
