@@ -21,6 +21,11 @@ only while its cost per token is at most plain decoding's, within the two estima
   would add a plain step to every round, so there only the draft's average decides;
 - while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
 `DecodeEngine.calibrate()` seeds the plain-decoding estimate at every batch-size bucket at start-up.
+A drafter whose round costs the same whatever the text (the n-gram lookup drafter: a verify pass) may be priced
+from replays instead of its own rounds: its pool's seconds a row's round (`observe_pool`) over the tokens a round
+that its rounds would have made over every greedy request of the domain (`observe_shadow`); and a request running
+alone moves from its draft to such an alternative where the replay over its own tokens says it is cheaper
+(`prefers_alternative`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,17 @@ class _Rate:
 REQUEST_WINDOW = 32
 
 
+def _window(tokens: Sequence[int]) -> tuple[float, float] | None:
+    """(mean, its relative standard error) of the last REQUEST_WINDOW rounds' tokens; None with fewer."""
+    recent = list(tokens)[-REQUEST_WINDOW:]
+    n = len(recent)
+    if n < REQUEST_WINDOW:
+        return None
+    mean = sum(recent) / n
+    spread = sum((t - mean) ** 2 for t in recent) / (n - 1)
+    return mean, math.sqrt(spread / n) / mean
+
+
 def batch_bucket(rows: int) -> int:
     """1, 2, 4, 8, 16, ...: the power of two at or above the batch size."""
     bucket = 1
@@ -115,6 +131,11 @@ class SpeculationGovernor:
         self._buckets = [2**i for i in range(16)]
         self._ar: dict[int, _Rate] = {}
         self._spec: dict[tuple[str, int], _Rate] = {}
+        # Drafters priced from replays (`observe_shadow`): name -> its pool, whose rounds' seconds a row it shares
+        # (`observe_pool`, per batch-size bucket), and its tokens a round from the replays (as _Rate(tokens, 1)).
+        self._shadowed: dict[str, str] = {}
+        self._pool: dict[tuple[str, int], _Rate] = {}
+        self._shadow: dict[str, _Rate] = {}
         self._admissions: dict[str, int] = {}
         # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
         self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
@@ -130,6 +151,25 @@ class SpeculationGovernor:
             with self._lock:
                 self._spec.setdefault((draft, batch_bucket(rows)), _Rate()).update(seconds, tokens, self.alpha)
                 self._last_spec[draft] = self._clock()
+
+    def observe_pool(self, pool: str, rows: int, seconds: float, row_rounds: int) -> None:
+        """A round of `row_rounds` rows all of drafters of `pool` (n-gram lookup's, say), charged `seconds`, at
+        about `rows` running requests: what a row's round of that pool costs, whatever its text."""
+        if row_rounds:
+            with self._lock:
+                self._pool.setdefault((pool, batch_bucket(rows)), _Rate()).update(seconds, row_rounds, self.alpha)
+
+    def observe_shadow(self, name: str, pool: str, tokens: Sequence[int]) -> None:
+        """Tokens each of `name`'s rounds would have made over a request's tokens, replayed without running them
+        (`engine.lookup.LookupShadow`). From then on `name` is priced as its pool's seconds a row's round over
+        these tokens a round (`_spec_cost`): a drafter whose round costs the same whatever the text (lookup's
+        verify pass) but whose tokens depend on the text is priced from every request of its domain, not only
+        from the few that ran it."""
+        with self._lock:
+            self._shadowed[name] = pool
+            rate = self._shadow.setdefault(name, _Rate())
+            for t in tokens:
+                rate.update(t, 1, self.alpha)
 
     def spec_step_seconds(self, rows: int, elapsed: float, round_seconds: float, plain_tokens: int) -> float | None:
         """Seconds to charge the speculative tokens of a step of `rows` rows that took `elapsed`, of which
@@ -155,7 +195,7 @@ class SpeculationGovernor:
         with self._lock:
             charge = 0.0
             for name, tokens in cheaper:
-                cost = self._cost(self._spec, lambda b, d=name: (d, b), batch_bucket(rows))
+                cost = self._spec_cost(name, batch_bucket(rows))
                 if cost is None:
                     return None
                 charge += cost[0] * tokens
@@ -176,6 +216,19 @@ class SpeculationGovernor:
         rate = table[key(b)]
         return rate.value * b / bucket, rate.relative_error(self.alpha)
 
+    def _spec_cost(self, name: str, bucket: int) -> tuple[float, float] | None:
+        """(seconds per token, its relative standard error) of speculating with `name` at this bucket: a replayed
+        drafter's pool's seconds a row's round over its replays' tokens a round once both are known
+        (`observe_shadow`), else its own measured rounds'."""
+        pool = self._shadowed.get(name)
+        shadow = self._shadow.get(name)
+        if pool is not None and shadow is not None and shadow.count >= self.min_samples:
+            row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
+            if row_round is not None:
+                tokens = shadow.value  # tokens a round (a _Rate of (tokens, 1))
+                return row_round[0] / tokens, math.hypot(row_round[1], shadow.relative_error(self.alpha))
+        return self._cost(self._spec, lambda b: (name, b), bucket)
+
     def _plain_cost(self, bucket: int) -> float | None:
         cost = self._cost(self._ar, lambda b: b, bucket)
         return None if cost is None else cost[0]
@@ -186,7 +239,7 @@ class SpeculationGovernor:
         estimates' combined standard error: a few noisy rounds do not turn off a draft that pays (a
         request dropped from speculation does not come back), a clearly slower one goes within a few."""
         bucket = batch_bucket(rows)
-        spec = self._cost(self._spec, lambda b: (draft, b), bucket)
+        spec = self._spec_cost(draft, bucket)
         ar = self._cost(self._ar, lambda b: b, bucket)
         if spec is None or ar is None:
             return None
@@ -241,7 +294,7 @@ class SpeculationGovernor:
             self._admissions[key] = n
             bucket = batch_bucket(rows)
             ar = self._cost(self._ar, lambda b: b, bucket)
-            costs = [self._cost(self._spec, lambda b, d=d: (d, b), bucket) for d in drafts]
+            costs = [self._spec_cost(d, bucket) for d in drafts]
             now = self._clock()
             stale = [i for i, d in enumerate(drafts) if d in self._last_spec and now - self._last_spec[d] > self.probe_seconds]
             unmeasured = [i for i, c in enumerate(costs) if c is None]
@@ -301,18 +354,40 @@ class SpeculationGovernor:
         round over its last REQUEST_WINDOW rounds, against plain decoding's seconds a token at batch 1; like
         `_pays`, within the estimates' combined standard error, taken twice (the request's mean is the noisiest
         of the three, and the decision is final)."""
-        recent = list(recent)[-REQUEST_WINDOW:]
-        n = len(recent)
-        spec, ar = self._spec.get((draft, 1)), self._ar.get(1)
-        if (n < REQUEST_WINDOW or spec is None or spec.count < self.min_samples or ar is None
-                or ar.count < self.min_samples):
+        own = _window(recent)
+        round_ = self._round_alone(draft)
+        ar = self._ar.get(1)
+        if own is None or round_ is None or ar is None or ar.count < self.min_samples:
             return None
-        mean = sum(recent) / n
-        spread = sum((t - mean) ** 2 for t in recent) / (n - 1)
-        own_error = math.sqrt(spread / n) / mean
-        margin = 2 * self.error_weight * math.hypot(own_error, spec.relative_error(self.alpha),
-                                                    ar.relative_error(self.alpha))
-        return spec.seconds / mean <= self.tolerance * ar.value * (1 + margin)
+        margin = 2 * self.error_weight * math.hypot(own[1], round_[1], ar.relative_error(self.alpha))
+        return round_[0] / own[0] <= self.tolerance * ar.value * (1 + margin)
+
+    def _round_alone(self, name: str) -> tuple[float, float] | None:
+        """(seconds of `name`'s round at batch 1, its relative error): its pool's where it is replayed
+        (`observe_shadow`), else its own rounds' moving average; None below min_samples."""
+        if name in self._shadowed:
+            pool = self._pool.get((self._shadowed[name], 1))
+            if pool is not None and pool.count >= self.min_samples:
+                return pool.value, pool.relative_error(self.alpha)  # a row's round; at batch 1, the round
+        own = self._spec.get((name, 1))
+        if own is None or own.count < self.min_samples:
+            return None
+        return own.seconds, own.relative_error(self.alpha)
+
+    def prefers_alternative(self, draft: str, alternative: str, recent: Sequence[int], replayed: Sequence[int]) -> bool:
+        """Should a request running alone on `draft`, whose last rounds made `recent` tokens each, go on with
+        `alternative`, whose rounds over the same request's tokens would have made `replayed` each
+        (`engine.lookup.LookupShadow`)? Yes when the alternative's round at batch 1 over the replayed tokens a
+        round costs less a token than the draft's over its own, by more than twice their combined standard
+        error (the move is final: the draft's state is not kept). Per request, where `choose` goes by domain:
+        the same domain holds replies that copy their prompt and replies that do not."""
+        with self._lock:
+            mine, theirs = _window(recent), _window(replayed)
+            a, b = self._round_alone(draft), self._round_alone(alternative)
+            if mine is None or theirs is None or a is None or b is None:
+                return False
+            margin = 2 * self.error_weight * math.hypot(mine[1], theirs[1], a[1], b[1])
+            return b[0] / theirs[0] * (1 + margin) < a[0] / mine[0]
 
     def plain_samples(self, rows: int) -> int:
         """Plain-decoding steps measured at the batch-size bucket of `rows`."""
@@ -327,5 +402,8 @@ class SpeculationGovernor:
                 "spec_seconds_per_token": {f"{d}@{b}": e.value for (d, b), e in self._spec.items()},
                 "ar_samples": {b: e.count for b, e in self._ar.items()},
                 "spec_samples": {f"{d}@{b}": e.count for (d, b), e in self._spec.items()},
+                "pool_seconds_per_row_round": {f"{p}@{b}": e.value for (p, b), e in self._pool.items()},
+                "replayed_tokens_per_round": {d: e.value for d, e in self._shadow.items()},
+                "replayed_rounds": {d: e.count for d, e in self._shadow.items()},
                 "decisions": dict(self.decisions),
             }

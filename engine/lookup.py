@@ -12,6 +12,8 @@ inside a captured CUDA graph, and each round's proposals can come from the round
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from engine import triton_kernels
@@ -50,6 +52,84 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
     proposals = history.gather(1, (follow[:, None] + offsets).clamp(max=s - 1))
     counts = torch.where(found, (lengths - follow).clamp(min=0, max=gamma), 0)
     return proposals, counts
+
+
+# The governor's pool of lookup drafters: every lookup alternative's round costs a verify pass whatever the domain
+# (`SpeculationGovernor.observe_pool`), so their rounds' seconds are pooled and their tokens replayed per domain.
+LOOKUP_POOL = "lookup"
+
+
+class LookupShadow:
+    """What lookup rounds would make of a greedy request's tokens, replayed on the host as they come.
+
+    A greedy request's tokens are the target's whichever drafter (or none) produced them, so the rounds the n-gram
+    lookup drafter would have run over them are known exactly from the tokens alone: from each round's start, the
+    `propose` rule over the history so far (prompt and reply), the proposal's prefix the reply matches, and the
+    token after it. `extend` takes a request's new tokens and returns the tokens each round completed by them
+    made. The governor prices lookup from these (`SpeculationGovernor.observe_shadow`): every greedy request of a
+    domain tells what lookup would make of it, while only the requests that ran lookup would measure it. The
+    shadow does not see tokens a real round accepts past the proposal's `counts` (the buffer's stale tail
+    matching by chance), so it may understate lookup by those. An n-gram index per n keeps it O(1) a token."""
+
+    def __init__(self, prompt_ids: list[int], gamma: int, max_n: int = 3, min_n: int = 2, window: int = 32) -> None:
+        if gamma < 1 or not 1 <= min_n <= max_n:
+            raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
+        self.gamma, self.max_n, self.min_n = gamma, max_n, min_n
+        self.seq = list(prompt_ids)
+        self.start = len(self.seq) + 1  # the first round's history: the prompt and the prefill's token
+        self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._indexed = {n: 0 for n in self._index}  # next start of an n-gram to index
+        self.rounds = 0
+        self.tokens = 0
+        self.recent: collections.deque = collections.deque(maxlen=window)  # tokens of its last rounds
+        self._proposal: list[int] | None = None
+
+    def propose(self, length: int) -> list[int]:
+        """The proposal after the history's first `length` tokens (`engine.lookup.propose` on one row, only the
+        tokens it counts)."""
+        seq = self.seq
+        for n in range(self.max_n, self.min_n - 1, -1):
+            index = self._index[n]
+            q, last = self._indexed[n], length - n - 1  # occurrences strictly before the suffix, with a token after
+            if last - q > 32:  # a prompt: at once (a later occurrence overwrites an earlier one)
+                index.update(zip(zip(*(seq[q + j:last + 1 + j] for j in range(n))), range(q, last + 1)))
+                q = last + 1
+            while q <= last:
+                index[tuple(seq[q:q + n])] = q
+                q += 1
+            self._indexed[n] = q
+            if length - n - 1 < 0:
+                continue
+            at = index.get(tuple(seq[length - n:length]))
+            if at is not None:
+                follow = at + n
+                return seq[follow:follow + min(self.gamma, length - follow)]
+        return []
+
+    def extend(self, tokens: list[int]) -> list[int]:
+        """Take the request's next tokens -> the tokens each lookup round they complete would have made."""
+        self.seq.extend(tokens)
+        made = []
+        while True:
+            if self._proposal is None:  # the proposal of the round at `start`, kept while its outcome is not known
+                self._proposal = self.propose(self.start)
+            proposal = self._proposal
+            if len(self.seq) < self.start + len(proposal) + 1:
+                # Not known yet: a round's outcome needs the reply up to its last proposed token and one more
+                # (earlier where the reply already departs from the proposal).
+                known = self.seq[self.start:]
+                if len(known) == len(proposal[:len(known)]) and known == proposal[:len(known)]:
+                    break
+            accepted = 0
+            while accepted < len(proposal) and self.seq[self.start + accepted] == proposal[accepted]:
+                accepted += 1
+            made.append(accepted + 1)
+            self.start += accepted + 1
+            self._proposal = None
+        self.rounds += len(made)
+        self.tokens += sum(made)
+        self.recent.extend(made)
+        return made
 
 
 class LookupDraft:

@@ -115,6 +115,10 @@ class SlotState:
     # rewrites its lookup history from the host at each commit (a round launched before the change wrote none).
     switched_at: int = 0
     history_refills: int = 0
+    # A greedy request whose draft has an n-gram lookup alternative: lookup's rounds replayed over its tokens
+    # (`engine.lookup.LookupShadow`), reported to the governor under `shadow_name` (the alternative's governed name).
+    shadow: object | None = None
+    shadow_name: str | None = None
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
     pending: int = -1  # last produced token, not yet run through the model
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -21,7 +21,7 @@ from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
 from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
-from engine.lookup import is_lookup, launch_lookup_round
+from engine.lookup import LOOKUP_POOL, LookupShadow, is_lookup, launch_lookup_round
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState, repeats_its_seed
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
@@ -69,6 +69,7 @@ class DecodeEngine:
         gamma: GammaController | None = None,
         overlap: bool = False,
         prefill_graphs: bool | None = None,
+        lookup_replay: bool = True,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -92,7 +93,10 @@ class DecodeEngine:
         (`_resolve_ahead`). Same tokens; a row that stops meanwhile has the call's work for it discarded.
         prefill_graphs: with graphs, admissions' prefill passes run as CUDA graphs too, the prompts padded to a
         power-of-two length (`_prefill_target`); default: on, unless FLASHSPEC_PREFILL_GRAPHS=0 in the
-        environment (run 31 on the H200: an admission's prefill 2.4-7.0 ms against 18-20 ms eager)."""
+        environment (run 31 on the H200: an admission's prefill 2.4-7.0 ms against 18-20 ms eager).
+        lookup_replay: replay the n-gram lookup alternative's rounds over greedy requests' tokens on the host
+        (`engine.lookup.LookupShadow`, about 3 us a token) so the governor prices lookup per domain from every
+        request and moves a lone request to lookup where its own text suits lookup better (`_shadow`)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit
@@ -122,6 +126,7 @@ class DecodeEngine:
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
         self.prefill_graphs = prefill_graphs and use_graphs
+        self.lookup_replay = lookup_replay
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
         self.alternatives: dict[str, tuple[str, ...]] = {}  # draft name -> drafts its requests may run instead
@@ -490,6 +495,11 @@ class DecodeEngine:
                     and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
                 if not self._switch_to_alternative(s, running):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
+            elif (running == 1 and s.shadow is not None and s.draft is not None and s.draft_name == s.request.draft
+                  and self.slots[s.slot] is s and s.stats.rounds - s.switched_at >= self.governor.min_samples
+                  and self.governor.prefers_alternative(governed(s.request, s.draft_name), s.shadow_name,
+                                                        s.stats.recent, s.shadow.recent)):
+                self._switch_to_alternative(s, running)  # lookup fits this request's text better than its draft
         return outputs
 
     def _switch_to_alternative(self, s: SlotState, running: int) -> bool:
@@ -535,6 +545,8 @@ class DecodeEngine:
             rows = [i for i, looks in enumerate(lookup) if not looks]
         if seconds is None:
             return
+        if all(lookup):
+            self.governor.observe_pool(LOOKUP_POOL, running, seconds, len(spec_rows))
         tokens = sum(len(result.tokens[i]) for i in rows)
         for name in {governed(spec_rows[i].request, spec_rows[i].draft_name) for i in rows}:
             self.governor.observe_spec(name, running, seconds, tokens)
@@ -698,6 +710,7 @@ class DecodeEngine:
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
             state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft, draft_name=name)
+            self._shadow(state)
             self.slots[slot] = state
             self._reset_row(slot)
             batch.append(state)
@@ -720,6 +733,20 @@ class DecodeEngine:
             return None, None  # speculation does not pay for this draft right now: plain decoding
         name, draft = candidates[pick]
         return draft, name
+
+    def _shadow(self, s: SlotState) -> None:
+        """Replay lookup over a greedy request's tokens (`LookupShadow`) where its draft has a lookup alternative
+        and the governor judges it: the governor prices that alternative for the domain from every such request
+        (`observe_shadow`), and a request running alone may move to it from its draft (`_commit_round`)."""
+        req = s.request
+        if not (self.lookup_replay and req.params.greedy and self.governor.enabled and req.draft in self.drafts
+                and self._governor_decides(req)):
+            return
+        for name, draft in self._candidates(req)[1:]:
+            if is_lookup(draft):
+                s.shadow = LookupShadow(req.prompt_ids, self.spec.num_speculative_tokens, draft.max_n, draft.min_n)
+                s.shadow_name = governed(req, name)
+                return
 
     def _candidates(self, req: Request) -> list[tuple[str, Draft]]:
         """(the name it is judged under, the drafter) for a request's own draft, then for each of its draft's loaded
@@ -1171,6 +1198,10 @@ class DecodeEngine:
         if s.first_token_at is None:
             s.first_token_at = time.perf_counter()
         s.output_ids.extend(kept)
+        if s.shadow is not None and kept:
+            replayed = s.shadow.extend(kept)
+            if replayed:
+                self.governor.observe_shadow(s.shadow_name, LOOKUP_POOL, replayed)
         if new_tokens:
             s.pending = new_tokens[-1]
         finished = reason is not None

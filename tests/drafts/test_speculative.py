@@ -1195,6 +1195,44 @@ def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternati
     assert gov.decisions["dropped"] == 1 and gov.decisions["switched"] == 0
 
 
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
+def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens_shows_lookup_cheaper(tiny, graphs,
+                                                                                                   overlap):
+    """A greedy request on its draft, whose draft has the lookup drafter as alternative, has lookup's rounds replayed
+    over its tokens (`LookupShadow`), reported to the governor for its domain. Running alone, it moves to lookup
+    once the replay over its last rounds prices lookup's round below its draft's a token (a target of 8 tokens
+    repeats itself: lookup makes several tokens a round), with plain decoding's tokens; where lookup's round is
+    dear it stays on its draft. Sampled requests replay nothing."""
+    from engine.governor import SpeculationGovernor
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[2, 6, 1, 7]]  # greedily: lookup 2.1 tokens a round; the draft below 2.6
+    params = SamplingParams(max_new_tokens=110, eos_token_ids=())
+    want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=128), prompts, params)[0].token_ids
+
+    def run(lookup_round: float, params=params):
+        gov = SpeculationGovernor(min_samples=2)
+        for _ in range(16):  # the draft pays (4 ms a token against 10) and starts; lookup's domain price is poor
+            gov.observe_ar(1, 0.010, 1)
+            gov.observe_spec("d", 1, 0.012, 3)
+            gov.observe_spec("d/lookup", 1, 0.027, 3)
+            gov.observe_pool("lookup", 1, lookup_round, 1)
+        gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings aside
+        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
+        eng.set_alternatives("d", ["lookup"])
+        return generate(eng, prompts, params, "d")[0], gov
+
+    out, gov = run(0.002)  # 1 ms a token over the replay, against the draft's 12 ms round over 2.6: 4.6 ms
+    assert out.token_ids == want
+    assert out.draft == "d/lookup" and gov.decisions["switched"] == 1
+    replayed = gov.snapshot()["replayed_rounds"]["d/lookup"]
+    assert replayed >= 32 and gov.snapshot()["replayed_tokens_per_round"]["d/lookup"] > 1.5
+    out, gov = run(0.030)  # lookup's 15 ms a token: the replay does not move it
+    assert out.token_ids == want and out.draft == "d" and gov.decisions["switched"] == 0
+    out, gov = run(0.002, SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, seed=1))
+    assert "d/lookup" not in gov.snapshot()["replayed_rounds"]
+
+
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
     params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=4)
     got = [generate(_lookup_engine(target, g), prompts_for(target.args.vocab_size, (9,)), params, "lookup")[0]

@@ -600,3 +600,39 @@ def test_alternatives_must_be_loaded_and_are_skipped_once_removed(tiny):
     assert outs[-1].draft == "d" and [t for o in outs for t in o.token_ids] == ar.token_ids
     eng.set_alternatives("d", [])
     assert "d" not in eng.alternatives
+
+
+def test_a_replayed_drafter_is_priced_from_its_pool_s_rounds_over_its_own_replayed_tokens():
+    """Lookup's round costs a verify pass whatever the text; its tokens depend on the text. Priced from the lookup
+    pool's rounds (any domain's) over each domain's replayed tokens a round, "general/lookup" is chosen or not from
+    its own domain's replies, though no general request ever ran it; a bigger batch is estimated from batch 1 a row."""
+    gov = SpeculationGovernor(probe_every=1000, min_samples=4)
+    feed(gov, "general", ar_cost=0.010, spec_cost=0.005)  # the draft: 5 ms a token at batch 1
+    feed(gov, "general", ar_cost=0.001, spec_cost=0.0003, rows=8)  # at batch 8: 0.3 ms a token
+    for _ in range(16):
+        gov.observe_pool("lookup", 1, 0.012, 1)  # a lookup round at batch 1: 12 ms (code's, say)
+    assert gov.choose(["general", "general/lookup"]) == 1  # not measured: tried
+    gov.observe_shadow("general/lookup", "lookup", [4] * 40)  # general's replies: 4 tokens a lookup round
+    assert gov.choose(["general", "general/lookup"]) == 1  # 3 ms a token against the draft's 5
+    assert gov.snapshot()["replayed_tokens_per_round"]["general/lookup"] == 4
+    # Batch 8, lookup not measured there: a row's round estimated from batch 1, 12 / 8 ms, over 4 tokens: 0.375 ms.
+    assert gov.choose(["general", "general/lookup"], rows=8) == 0
+    gov.observe_shadow("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
+    assert gov.choose(["general", "general/lookup"]) == 0
+    assert not gov.may_pay("general/lookup")  # dearer than plain decoding's 10 ms a token
+
+
+def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_costs_less_a_token():
+    gov = SpeculationGovernor(min_samples=4)
+    feed(gov, "code", ar_cost=0.010, spec_cost=0.004)  # the draft's round: 12 ms
+    for _ in range(16):
+        gov.observe_pool("lookup", 1, 0.006, 1)  # lookup's: 6 ms
+    gov.observe_shadow("code/lookup", "lookup", [3] * 8)
+    rng = random.Random(0)
+    own = [rng.choice([2, 3, 4]) for _ in range(REQUEST_WINDOW)]  # 3 tokens a draft round: 4 ms a token
+    assert gov.prefers_alternative("code", "code/lookup", own, [rng.choice([3, 4, 5]) for _ in range(REQUEST_WINDOW)])
+    assert not gov.prefers_alternative("code", "code/lookup", own, [1, 2] * (REQUEST_WINDOW // 2))  # 4 ms: as dear
+    assert not gov.prefers_alternative("code", "code/lookup", own, [1] * REQUEST_WINDOW)
+    assert not gov.prefers_alternative("code", "code/lookup", own[:-1], [6] * REQUEST_WINDOW)  # too few rounds yet
+    assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * (REQUEST_WINDOW - 1))
+    assert not SpeculationGovernor().prefers_alternative("code", "code/lookup", own, [6] * REQUEST_WINDOW)  # unmeasured

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.ngram_headroom import ngram_lookup
-from engine.lookup import propose
+from engine.lookup import LookupShadow, propose
 
 
 def _rows(seed: int, count: int, width: int) -> list[list[int]]:
@@ -51,3 +51,40 @@ def test_it_runs_inside_a_graph_shaped_call_and_refuses_bad_settings():
         propose(history, torch.tensor([5, 4]), 0)
     with pytest.raises(ValueError, match="min_n"):
         propose(history, torch.tensor([5, 4]), 2, max_n=1, min_n=2)
+
+
+def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int) -> list[int]:
+    """The reference: lookup rounds over a known greedy reply seq[start:] (seq[start] the prefill's token), each
+    `ngram_lookup` over the history up to the pending token, then the reply's matching prefix and its next token;
+    a round whose outcome the reply does not settle yet (it matches to its end) is not counted."""
+    made, t = [], start
+    while True:
+        proposal = ngram_lookup(seq[:t + 1], gamma, max_n, min_n)
+        accepted = 0
+        while accepted < len(proposal) and t + 1 + accepted < len(seq) and seq[t + 1 + accepted] == proposal[accepted]:
+            accepted += 1
+        if t + 1 + accepted >= len(seq):
+            return made
+        made.append(accepted + 1)
+        t += accepted + 1
+
+
+@pytest.mark.parametrize("gamma,max_n,min_n", [(5, 3, 2), (3, 3, 1), (8, 2, 2)])
+def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come_in(gamma, max_n, min_n):
+    """LookupShadow over a request's tokens as they come (a prefill's token, then rounds' and steps' of any length)
+    makes the rounds the reference rule makes over the whole reply, each as soon as the tokens settle it."""
+    rng = random.Random(gamma)
+    for row in _rows(gamma, 40, 90):
+        if len(row) < 4:
+            continue
+        prompt_len = rng.randint(1, len(row) - 2)
+        shadow = LookupShadow(row[:prompt_len], gamma, max_n, min_n)
+        got, at = [], prompt_len
+        while at < len(row):
+            chunk = rng.randint(1, gamma + 1)
+            got += shadow.extend(row[at:at + chunk])
+            at += chunk
+            assert got == _replayed(row[:at], prompt_len, gamma, max_n, min_n)
+        assert shadow.rounds == len(got) and shadow.tokens == sum(got) and list(shadow.recent) == got[-32:]
+    with pytest.raises(ValueError, match="gamma"):
+        LookupShadow([1, 2], 0)
