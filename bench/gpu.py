@@ -286,11 +286,11 @@ class Bench:
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
-                   lookup_alternative=False, lookup_replay=True) -> "EngineRow":
+                   lookup_alternative=False, lookup_replay=False) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`), priced from
-        replays of it over greedy requests unless `lookup_replay` is False (`DecodeEngine(lookup_replay=...)`)."""
+        replays of it over greedy requests with `lookup_replay` (`DecodeEngine(lookup_replay=...)`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay)
         row.warm()
@@ -419,7 +419,7 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=True) -> None:
+                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=False) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -715,14 +715,14 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                  lambda: bench.engine_row(*workload, drafts, block=top, gamma=top, governor=True, reference=ref,
                                           overlap=True)))
     if best:  # the service's setting with the lookup drafter as each draft's alternative: the governor picks
-        if getattr(bench.args, "lookup_no_replay", False):  # the same without lookup's replays: what they add
-            rows.append((f"FlashSpec best drafts or lookup (governor's choice), no replay, adaptive gamma, governor, "
-                         f"overlapped{suffix}",
-                         lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
-                                                  overlap=True, lookup_alternative=True, lookup_replay=False)))
         rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped{suffix}",
                      lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
                                               overlap=True, lookup_alternative=True)))
+        if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays: what they do
+            rows.append((f"FlashSpec best drafts or lookup (governor's choice), replayed, adaptive gamma, governor, "
+                         f"overlapped{suffix}",
+                         lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
+                                                  overlap=True, lookup_alternative=True, lookup_replay=True)))
     return rows
 
 
@@ -935,9 +935,9 @@ def main() -> None:
     parser.add_argument("--lookup", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="rows whose requests name an n-gram lookup drafter (engine.lookup.LookupDraft) at these "
                              "gammas, alone and overlapped, and at the largest with the governor, e.g. 5,8")
-    parser.add_argument("--lookup-no-replay", action="store_true",
-                        help="with --lookup: also the service's setting without lookup's replays (DecodeEngine("
-                             "lookup_replay=False)), to measure what pricing lookup from replays adds")
+    parser.add_argument("--lookup-replay", action="store_true",
+                        help="with --lookup: also the service's setting with lookup priced from replays (DecodeEngine("
+                             "lookup_replay=True)), to measure what they do")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),

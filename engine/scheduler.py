@@ -69,7 +69,7 @@ class DecodeEngine:
         gamma: GammaController | None = None,
         overlap: bool = False,
         prefill_graphs: bool | None = None,
-        lookup_replay: bool = True,
+        lookup_replay: bool = False,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -96,7 +96,8 @@ class DecodeEngine:
         environment (run 31 on the H200: an admission's prefill 2.4-7.0 ms against 18-20 ms eager).
         lookup_replay: replay the n-gram lookup alternative's rounds over greedy requests' tokens on the host
         (`engine.lookup.LookupShadow`, about 3 us a token) so the governor prices lookup per domain from every
-        request and moves a lone request to lookup where its own text suits lookup better (`_shadow`)."""
+        request and moves a lone request to lookup where its own text suits lookup better (`_shadow`). Off by
+        default: on the H200 it made the service's setting slower (run 34, docs/decoding.md)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         self.min_admit = min_admit

@@ -1198,8 +1198,8 @@ def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternati
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
 def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens_shows_lookup_cheaper(tiny, graphs,
                                                                                                    overlap):
-    """A greedy request on its draft, whose draft has the lookup drafter as alternative, has lookup's rounds replayed
-    over its tokens (`LookupShadow`), reported to the governor for its domain. Running alone, it moves to lookup
+    """With `lookup_replay` (off by default), a greedy request on its draft, whose draft has the lookup drafter as
+    alternative, has lookup's rounds replayed over its tokens (`LookupShadow`), reported to the governor for its domain. Running alone, it moves to lookup
     once the replay over its last rounds prices lookup's round below its draft's a token (a target of 8 tokens
     repeats itself: lookup makes several tokens a round), with plain decoding's tokens; where lookup's round is
     dear it stays on its draft. Sampled requests replay nothing."""
@@ -1210,7 +1210,7 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     params = SamplingParams(max_new_tokens=110, eos_token_ids=())
     want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=128), prompts, params)[0].token_ids
 
-    def run(lookup_round: float, params=params):
+    def run(lookup_round: float, params=params, replay=True):
         gov = SpeculationGovernor(min_samples=2)
         for _ in range(16):  # the draft pays (4 ms a token against 10) and starts; lookup's domain price is poor
             gov.observe_ar(1, 0.010, 1)
@@ -1218,7 +1218,8 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
             gov.observe_spec("d/lookup", 1, 0.027, 3)
             gov.observe_pool("lookup", 1, lookup_round, 1)
         gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings aside
-        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
+        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov,
+                             **({"lookup_replay": True} if replay else {}))
         eng.set_alternatives("d", ["lookup"])
         return generate(eng, prompts, params, "d")[0], gov
 
@@ -1227,6 +1228,8 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     assert out.draft == "d/lookup" and gov.decisions["switched"] == 1
     replayed = gov.snapshot()["replayed_rounds"]["d/lookup"]
     assert replayed >= 32 and gov.snapshot()["replayed_tokens_per_round"]["d/lookup"] > 1.5
+    out, gov = run(0.002, replay=False)  # the default: no replay, no move
+    assert out.token_ids == want and out.draft == "d" and gov.snapshot()["replayed_rounds"] == {}
     out, gov = run(0.030)  # lookup's 15 ms a token: the replay does not move it
     assert out.token_ids == want and out.draft == "d" and gov.decisions["switched"] == 0
     out, gov = run(0.002, SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, seed=1))
