@@ -250,11 +250,6 @@ class SpeculationGovernor:
         two estimates' combined standard error."""
         return spec[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(spec[1], ar[1]))
 
-    def _clearly_cheaper(self, cost: tuple[float, float], than: tuple[float, float]) -> bool:
-        """Whether a cost (seconds a token, relative error) is below another by more than their combined standard
-        error."""
-        return cost[0] * (1 + self.error_weight * math.hypot(cost[1], than[1])) < than[0]
-
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
         if not self.enabled:
@@ -280,8 +275,7 @@ class SpeculationGovernor:
         """Which of `drafts` the next request should speculate with at about `rows` running requests (an index
         into `drafts`), or None for plain decoding. `drafts`: the request's own draft first, then alternatives
         it may run instead (`DecodeEngine.set_alternatives`: the n-gram lookup drafter, say). Each is measured
-        and judged as `allow` judges one draft; of those that pay, the cheapest a token wins (over the request's own
-        draft only by more than their estimates' combined standard error: a tie keeps the draft). A candidate not
+        and judged as `allow` judges one draft; of those that pay, the cheapest a token wins. A candidate not
         yet measured at this batch size is tried first (in order), so every one gets its estimate; the others
         are probed now and then (every `probe_every`-th admission, taking turns; while none pays, also the first
         admission after `probe_seconds` without a round of one, as `allow` probes a draft that does not pay), so
@@ -313,8 +307,6 @@ class SpeculationGovernor:
             else:
                 paying = [i for i, c in enumerate(costs) if self._within(c, ar)]
                 pick = min(paying, key=lambda i: costs[i][0]) if paying else None
-                if pick not in (None, 0) and 0 in paying and not self._clearly_cheaper(costs[pick], costs[0]):
-                    pick = 0  # a tie within the estimates' error goes to the request's own draft
                 others = [i for i in range(len(drafts)) if i != pick]
                 # A quiet period probes only while nothing pays (so speculation can come back, as `allow` does);
                 # while one candidate pays, a probe costs a request at a worse one: by count alone.
