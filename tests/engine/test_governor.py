@@ -612,12 +612,12 @@ def test_a_replayed_drafter_is_priced_from_its_pool_s_rounds_over_its_own_replay
     for _ in range(16):
         gov.observe_pool("lookup", 1, 0.012, 1)  # a lookup round at batch 1: 12 ms (code's, say)
     assert gov.choose(["general", "general/lookup"]) == 1  # not measured: tried
-    gov.observe_tokens("general/lookup", "lookup", [4] * 40)  # general's replies: 4 tokens a lookup round
+    gov.observe_shadow("general/lookup", "lookup", [4] * 40)  # general's replies: 4 tokens a lookup round
     assert gov.choose(["general", "general/lookup"]) == 1  # 3 ms a token against the draft's 5
-    assert gov.snapshot()["pooled_tokens_per_round"]["general/lookup"] == 4
+    assert gov.snapshot()["replayed_tokens_per_round"]["general/lookup"] == 4
     # Batch 8, lookup not measured there: a row's round estimated from batch 1, 12 / 8 ms, over 4 tokens: 0.375 ms.
     assert gov.choose(["general", "general/lookup"], rows=8) == 0
-    gov.observe_tokens("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
+    gov.observe_shadow("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
     assert gov.choose(["general", "general/lookup"]) == 0
     assert not gov.may_pay("general/lookup")  # dearer than plain decoding's 10 ms a token
 
@@ -627,7 +627,7 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     feed(gov, "code", ar_cost=0.010, spec_cost=0.004)  # the draft's round: 12 ms
     for _ in range(16):
         gov.observe_pool("lookup", 1, 0.006, 1)  # lookup's: 6 ms
-    gov.observe_tokens("code/lookup", "lookup", [3] * 8)
+    gov.observe_shadow("code/lookup", "lookup", [3] * 8)
     rng = random.Random(0)
     own = [rng.choice([2, 3, 4]) for _ in range(REQUEST_WINDOW)]  # 3 tokens a draft round: 4 ms a token
     assert gov.prefers_alternative("code", "code/lookup", own, [rng.choice([3, 4, 5]) for _ in range(REQUEST_WINDOW)])
@@ -636,22 +636,3 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     assert not gov.prefers_alternative("code", "code/lookup", own[:-1], [6] * REQUEST_WINDOW)  # too few rounds yet
     assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * (REQUEST_WINDOW - 1))
     assert not SpeculationGovernor().prefers_alternative("code", "code/lookup", own, [6] * REQUEST_WINDOW)  # unmeasured
-
-
-def test_a_batch_moves_to_a_pooled_alternative_priced_by_its_pool_s_rounds_and_its_own_tokens():
-    """At 8 rows the draft does not pay (0.23 ms a token against plain decoding's 0.10). Lookup's round there is
-    estimated from batch 1 a row until a batch of lookup rows is measured; its tokens a round are its rows' own."""
-    gov = SpeculationGovernor(min_samples=4)
-    feed(gov, "code", ar_cost=0.0001, spec_cost=0.00023, rows=8)
-    assert not gov.batch_moves_to("code/lookup", "code", 8)  # nothing known of lookup
-    for _ in range(16):
-        gov.observe_pool("lookup", 1, 0.0009, 1)  # 0.9 ms a round at batch 1: about 0.11 ms a row's round at 8
-    assert not gov.batch_moves_to("code/lookup", "code", 8)  # its tokens a round not known yet
-    gov.observe_tokens("code/lookup", "lookup", [2] * 16)
-    assert gov.batch_moves_to("code/lookup", "code", 8) and gov.batch_moves_to("code/lookup", None, 8)
-    assert not gov.batch_moves_to("code/lookup", "dialog", 8)  # what the row runs is not known at that size
-    assert not gov.batch_moves_to("code/lookup", None, 1)  # plain decoding not measured at batch 1
-    for _ in range(16):
-        gov.observe_pool("lookup", 8, 0.0024, 8)  # a batch of 8 lookup rows measured: 0.3 ms a row's round
-    assert not gov.batch_moves_to("code/lookup", None, 8)  # 0.15 ms a token: dearer than plain decoding
-    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == 0.0003 and gov.pool_samples("lookup", 8) == 16
