@@ -23,7 +23,7 @@ serve: install
 	$(PY) -m services.run --config services/serve_config.yaml --host 127.0.0.1 --port 8000
 
 test: install
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=25
 
 test-slow: install
 	$(PY) -m pytest -q -m "slow"
