@@ -21,8 +21,8 @@ only while its cost per token is at most plain decoding's, within the two estima
   would add a plain step to every round, so there only the draft's average decides;
 - while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
 `DecodeEngine.calibrate()` seeds the plain-decoding estimate at every batch-size bucket at start-up.
-A drafter whose round costs the same whatever the text (the n-gram lookup drafter: a verify pass) may be priced
-from replays instead of its own rounds: its pool's seconds a row's round (`observe_pool`) over the tokens a round
+With the engine's `lookup_replay` (off by default: run 34), a drafter whose round costs the same whatever the text
+(the n-gram lookup drafter: a verify pass) is priced from replays instead of its own rounds: its pool's seconds a row's round (`observe_pool`) over the tokens a round
 that its rounds would have made over every greedy request of the domain (`observe_shadow`); and a request running
 alone moves from its draft to such an alternative where the replay over its own tokens says it is cheaper
 (`prefers_alternative`).
