@@ -21,11 +21,13 @@ only while its cost per token is at most plain decoding's, within the two estima
   would add a plain step to every round, so there only the draft's average decides;
 - while every request speculates, every `probe_every`-th decodes plainly to measure the other side.
 `DecodeEngine.calibrate()` seeds the plain-decoding estimate at every batch-size bucket at start-up.
-With the engine's `lookup_replay` (off by default: run 34), a drafter whose round costs the same whatever the text
-(the n-gram lookup drafter: a verify pass) is priced from replays instead of its own rounds: its pool's seconds a row's round (`observe_pool`) over the tokens a round
-that its rounds would have made over every greedy request of the domain (`observe_shadow`); and a request running
-alone moves from its draft to such an alternative where the replay over its own tokens says it is cheaper
-(`prefers_alternative`).
+The n-gram lookup drafter's rounds also feed a pool (`observe_pool`: seconds a row's round, from rounds where every
+running row is a lookup row) and each lookup name's tokens a row's round (`observe_tokens`). A batch all of whose
+rows can run lookup moves to it together where an all-lookup batch is priced below plain decoding and below each
+moving row's draft (`batch_moves`): a round is shared, so judged row by row a batch never reaches the batch of lookup
+rows that pays. With the engine's `lookup_replay` (off by default: run 34), tokens come from replays over every
+greedy request, each domain's lookup is priced from the pool over them (`_spec_cost`), and a request running
+alone moves from its draft to lookup where the replay over its own tokens says it is cheaper (`prefers_alternative`).
 """
 
 from __future__ import annotations
@@ -131,11 +133,11 @@ class SpeculationGovernor:
         self._buckets = [2**i for i in range(16)]
         self._ar: dict[int, _Rate] = {}
         self._spec: dict[tuple[str, int], _Rate] = {}
-        # Drafters priced from replays (`observe_shadow`): name -> its pool, whose rounds' seconds a row it shares
-        # (`observe_pool`, per batch-size bucket), and its tokens a round from the replays (as _Rate(tokens, 1)).
-        self._shadowed: dict[str, str] = {}
+        # Drafters priced from a pool (`observe_tokens`): name -> its pool, whose rounds' seconds a row it shares
+        # (`observe_pool`, per batch-size bucket), and its own tokens a row's round (as _Rate(tokens, 1)).
+        self._pooled: dict[str, str] = {}
         self._pool: dict[tuple[str, int], _Rate] = {}
-        self._shadow: dict[str, _Rate] = {}
+        self._row_tokens: dict[str, _Rate] = {}
         self._admissions: dict[str, int] = {}
         # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
         self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
@@ -159,15 +161,16 @@ class SpeculationGovernor:
             with self._lock:
                 self._pool.setdefault((pool, batch_bucket(rows)), _Rate()).update(seconds, row_rounds, self.alpha)
 
-    def observe_shadow(self, name: str, pool: str, tokens: Sequence[int]) -> None:
-        """Tokens each of `name`'s rounds would have made over a request's tokens, replayed without running them
-        (`engine.lookup.LookupShadow`). From then on `name` is priced as its pool's seconds a row's round over
-        these tokens a round (`_spec_cost`): a drafter whose round costs the same whatever the text (lookup's
-        verify pass) but whose tokens depend on the text is priced from every request of its domain, not only
-        from the few that ran it."""
+    def observe_tokens(self, name: str, pool: str | None, tokens: Sequence[int]) -> None:
+        """Tokens each of some rounds of `name` made for their row (a row makes the same tokens a round whatever
+        shares its batch, while the round's seconds depend on that), or would have made (replays over requests
+        that ran something else, `engine.lookup.LookupShadow`). With a `pool` (replays), `name` is priced from then
+        on as the pool's seconds a row's round over these tokens a round (`_spec_cost`); either way they price a
+        batch of lookup rows (`batch_moves`)."""
         with self._lock:
-            self._shadowed[name] = pool
-            rate = self._shadow.setdefault(name, _Rate())
+            if pool is not None:
+                self._pooled[name] = pool
+            rate = self._row_tokens.setdefault(name, _Rate())
             for t in tokens:
                 rate.update(t, 1, self.alpha)
 
@@ -217,16 +220,16 @@ class SpeculationGovernor:
         return rate.value * b / bucket, rate.relative_error(self.alpha)
 
     def _spec_cost(self, name: str, bucket: int) -> tuple[float, float] | None:
-        """(seconds per token, its relative standard error) of speculating with `name` at this bucket: a replayed
-        drafter's pool's seconds a row's round over its replays' tokens a round once both are known
-        (`observe_shadow`), else its own measured rounds'."""
-        pool = self._shadowed.get(name)
-        shadow = self._shadow.get(name)
-        if pool is not None and shadow is not None and shadow.count >= self.min_samples:
+        """(seconds per token, its relative standard error) of speculating with `name` at this bucket: a pooled
+        drafter's pool's seconds a row's round over its tokens a round once both are known (`observe_tokens`),
+        else its own measured rounds'."""
+        pool = self._pooled.get(name)
+        row_tokens = self._row_tokens.get(name)
+        if pool is not None and row_tokens is not None and row_tokens.count >= self.min_samples:
             row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
             if row_round is not None:
-                tokens = shadow.value  # tokens a round (a _Rate of (tokens, 1))
-                return row_round[0] / tokens, math.hypot(row_round[1], shadow.relative_error(self.alpha))
+                tokens = row_tokens.value  # tokens a round (a _Rate of (tokens, 1))
+                return row_round[0] / tokens, math.hypot(row_round[1], row_tokens.relative_error(self.alpha))
         return self._cost(self._spec, lambda b: (name, b), bucket)
 
     def _plain_cost(self, bucket: int) -> float | None:
@@ -249,6 +252,38 @@ class SpeculationGovernor:
         """Whether a speculative cost (seconds a token, relative error) is at most plain decoding's, within the
         two estimates' combined standard error."""
         return spec[0] <= self.tolerance * ar[0] * (1 + self.error_weight * math.hypot(spec[1], ar[1]))
+
+    def pool_samples(self, pool: str, rows: int) -> int:
+        """Rounds of `pool` measured at the batch-size bucket of `rows`."""
+        with self._lock:
+            rate = self._pool.get((pool, batch_bucket(rows)))
+            return rate.count if rate is not None else 0
+
+    def batch_moves(self, pool: str, names: Sequence[str], running: Sequence[str | None]) -> bool:
+        """Should a whole batch move to `pool`'s drafter (n-gram lookup), each row judged under its name in `names`
+        (the rows on it already included), the rows that would move running `running` now (a draft's name, or
+        None: plain decoding)? Yes when a batch of such rows is priced below plain decoding at this batch size by
+        more than the estimates' combined error, and below each of those drafts: the pool's seconds a row's round
+        times the rows over the sum of the rows' tokens a round (`observe_tokens`: each name's own). The batch is
+        the unit: a round is shared, so rows of two kinds cost the batch two passes a step, rows judged one by one
+        never reach the batch of one kind that pays (run 34 at bs 8: lookup alone 1.5x plain decoding, the
+        service's per-row choices 1.1x), and priced per domain the rows whose own lookup does not pay split the
+        batch (run 35: 0.55x)."""
+        with self._lock:
+            bucket = batch_bucket(len(names))
+            ar = self._cost(self._ar, lambda b: b, bucket)
+            row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
+            tokens = [self._row_tokens.get(name) for name in names]
+            if ar is None or row_round is None or any(t is None or t.count < self.min_samples for t in tokens):
+                return False
+            cost = row_round[0] * len(names) / sum(t.value for t in tokens)
+            if cost * (1 + self.error_weight * math.hypot(row_round[1], ar[1])) >= ar[0]:
+                return False
+            for name in {r for r in running if r is not None}:
+                now = self._spec_cost(name, bucket)
+                if now is None or now[0] <= cost:
+                    return False
+            return True
 
     def allow(self, draft: str, rows: int = 1) -> bool:
         """Should the next request for `draft` speculate (at about `rows` running requests)?"""
@@ -363,10 +398,10 @@ class SpeculationGovernor:
         return round_[0] / own[0] <= self.tolerance * ar.value * (1 + margin)
 
     def _round_alone(self, name: str) -> tuple[float, float] | None:
-        """(seconds of `name`'s round at batch 1, its relative error): its pool's where it is replayed
-        (`observe_shadow`), else its own rounds' moving average; None below min_samples."""
-        if name in self._shadowed:
-            pool = self._pool.get((self._shadowed[name], 1))
+        """(seconds of `name`'s round at batch 1, its relative error): its pool's where it is pooled
+        (`observe_tokens`), else its own rounds' moving average; None below min_samples."""
+        if name in self._pooled:
+            pool = self._pool.get((self._pooled[name], 1))
             if pool is not None and pool.count >= self.min_samples:
                 return pool.value, pool.relative_error(self.alpha)  # a row's round; at batch 1, the round
         own = self._spec.get((name, 1))
@@ -403,7 +438,7 @@ class SpeculationGovernor:
                 "ar_samples": {b: e.count for b, e in self._ar.items()},
                 "spec_samples": {f"{d}@{b}": e.count for (d, b), e in self._spec.items()},
                 "pool_seconds_per_row_round": {f"{p}@{b}": e.value for (p, b), e in self._pool.items()},
-                "replayed_tokens_per_round": {d: e.value for d, e in self._shadow.items()},
-                "replayed_rounds": {d: e.count for d, e in self._shadow.items()},
+                "pooled_tokens_per_round": {d: e.value for d, e in self._row_tokens.items()},
+                "pooled_rounds": {d: e.count for d, e in self._row_tokens.items()},
                 "decisions": dict(self.decisions),
             }

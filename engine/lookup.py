@@ -66,7 +66,7 @@ class LookupShadow:
     lookup drafter would have run over them are known exactly from the tokens alone: from each round's start, the
     `propose` rule over the history so far (prompt and reply), the proposal's prefix the reply matches, and the
     token after it. `extend` takes a request's new tokens and returns the tokens each round completed by them
-    made. The governor prices lookup from these (`SpeculationGovernor.observe_shadow`): every greedy request of a
+    made. The governor prices lookup from these (`SpeculationGovernor.observe_tokens`): every greedy request of a
     domain tells what lookup would make of it, while only the requests that ran lookup would measure it. The
     shadow does not see tokens a real round accepts past the proposal's `counts` (the buffer's stale tail
     matching by chance), so it may understate lookup by those. An n-gram index per n keeps it O(1) a token."""

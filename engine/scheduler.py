@@ -286,6 +286,9 @@ class DecodeEngine:
         sample, and without a plain cost at a batch size the governor cannot turn speculation off there
         (at batch 8 it once ran every request speculatively at 0.3x plain decoding that way). By default
         each generation is long enough for `min_samples` plain steps and two more that may capture.
+        Where the engine runs CUDA graphs and an n-gram lookup drafter is loaded, the same for a lookup round at
+        each batch size (the lookup pool's seconds a row's round, `SpeculationGovernor.observe_pool`): lookup is
+        priced from it at batch sizes where no batch of lookup rows has run yet (`batch_moves`).
         Returns the governor's plain-step samples per bucket."""
         from engine.generate import generate
         from engine.sampling import SamplingParams
@@ -302,6 +305,13 @@ class DecodeEngine:
                 if self.governor.plain_samples(rows) >= self.governor.min_samples:
                     break
                 generate(self, [list(prompt)] * rows, params)
+        lookup = next((name for name, draft in self.drafts.items() if is_lookup(draft)), None)
+        if lookup is not None and self.graphs.enabled:
+            for rows in batch_sizes:
+                for _ in range(attempts):
+                    if self.governor.pool_samples(LOOKUP_POOL, rows) >= self.governor.min_samples:
+                        break
+                    generate(self, [list(prompt)] * rows, params, lookup)
         return {rows: self.governor.plain_samples(rows) for rows in batch_sizes}
 
     def warmup(self, max_len: int = 256, prompt_len: int = 32, sampling: tuple[str, ...] | None = None) -> int:
@@ -446,6 +456,7 @@ class DecodeEngine:
         outputs: list[RequestOutput] = []
         admitted = self._admit()
         outputs.extend(admitted)
+        self._batch_to_lookup()
         running = [s for s in self.slots if s is not None and s.request.request_id not in
                    {o.request_id for o in admitted if o.finished}]
         ar_rows = [s for s in running if s.draft is None]
@@ -480,17 +491,22 @@ class DecodeEngine:
 
     def _commit_round(self, spec_rows: list[SlotState], result, running: int) -> list[RequestOutput]:
         """A round's tokens and statistics for its rows still running; the governor may turn a row's speculation
-        off from the next step on."""
+        off from the next step on. Rows of a batch of lookup rows that pays as a batch (`_lookup_batch_pays`) are not
+        judged one by one: a round's seconds are the batch's, and a row dropped from it would split it."""
         outputs = []
+        lookup_batch = running >= 2 and self._lookup_batch_pays()
         for i, s in enumerate(spec_rows):
             if self.slots[s.slot] is not s:
                 continue  # stopped or cancelled while an overlapped round ran: its tokens are past its end
             s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
+            if is_lookup(s.draft) and s.shadow is None and not s.history_refills and self._governor_decides(s.request):
+                # A lookup row's tokens a round, whatever shared its round (replays report them where they run).
+                self.governor.observe_tokens(governed(s.request, s.draft_name), None, [result.num_accepted[i] + 1])
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
             if s.history_refills and self.slots[s.slot] is s:
                 self._refill_history(s)
-            if (s.draft is not None and self.slots[s.slot] is s
+            if (s.draft is not None and self.slots[s.slot] is s and not (lookup_batch and is_lookup(s.draft))
                     and s.stats.rounds - s.switched_at >= self.governor.min_samples
                     and self._governor_decides(s.request)
                     and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
@@ -515,16 +531,19 @@ class DecodeEngine:
             return False
         for name, draft in self._candidates(req)[1:]:
             if is_lookup(draft) and self.governor.may_pay(governed(req, name), running):
-                s.draft, s.draft_name, s.switched_at = draft, name, s.stats.rounds
-                s.stats.recent.clear()  # the per-request rule judges lookup by its own rounds
-                # Now, and once more at its next commit if a round was already launched for it (overlap): that one
-                # ran its draft and writes no history; what lookup proposes from a stale tail only costs
-                # acceptance, never tokens.
-                s.history_refills = 1 + (self._ahead is not None and any(r is s for r in self._ahead.batch))
-                self._refill_history(s)
-                self.governor.note_switch()
+                self._move_to_lookup(s, name, draft)
                 return True
         return False
+
+    def _move_to_lookup(self, s: SlotState, name: str, draft) -> None:
+        """A row goes on with a lookup drafter (from its draft, or from plain decoding), judged under `name`."""
+        s.draft, s.draft_name, s.switched_at = draft, name, s.stats.rounds
+        s.stats.recent.clear()  # the per-request rule judges lookup by its own rounds
+        # Now, and once more at its next commit if a round was already launched for it (overlap): that one ran its
+        # draft and writes no history; what lookup proposes from a stale tail only costs acceptance, never tokens.
+        s.history_refills = 1 + (self._ahead is not None and any(r is s for r in self._ahead.batch))
+        self._refill_history(s)
+        self.governor.note_switch()
 
     def _refill_history(self, s: SlotState) -> None:
         """Write a row's lookup history (prompt, then output: every token up to its pending one) from the host."""
@@ -673,6 +692,8 @@ class DecodeEngine:
             return False
         if self.waiting and self.num_running < self.max_batch_size:
             return False
+        if self._lookup_moves():
+            return False  # the batch moves to lookup at the next step (`_batch_to_lookup`)
         return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
                    and s.length + span <= self.max_seq_len - 1 for s in batch)
@@ -722,6 +743,47 @@ class DecodeEngine:
             return []
         return self._prefill(batch)
 
+    def _batch_to_lookup(self) -> None:
+        """Move every row of a batch to its n-gram lookup alternative together where the governor prices lookup
+        below plain decoding and each row's draft at this batch size (`SpeculationGovernor.batch_moves`): only when every
+        running row is on lookup already or can move (greedy, judged by the governor, its draft has a lookup
+        alternative). A round is shared: plain rows beside lookup rows cost the batch a plain step and a round
+        each step, and rows judged one by one never reach the batch of lookup rows that pays (run 34, bs 8). A row
+        needs nothing but its tokens to run lookup, so plain rows move too (a plain row cannot go back to a draft)."""
+        for s, name, draft in self._lookup_moves():
+            self._move_to_lookup(s, name, draft)
+
+    def _lookup_batch_pays(self) -> bool:
+        """Whether every running row is a lookup row and such a batch is priced below plain decoding
+        (`SpeculationGovernor.batch_moves` with no row to move)."""
+        rows = [s for s in self.slots if s is not None]
+        if not rows or not all(is_lookup(s.draft) for s in rows):
+            return False
+        return self.governor.batch_moves(LOOKUP_POOL, [governed(s.request, s.draft_name) for s in rows], [])
+
+    def _lookup_moves(self) -> list[tuple[SlotState, str, object]]:
+        """(row, the name it would be judged under, the lookup drafter) for each running row not on lookup, where the
+        batch moves to lookup (`_batch_to_lookup`); [] where it does not."""
+        rows = [s for s in self.slots if s is not None]
+        if len(rows) < 2 or all(is_lookup(s.draft) for s in rows):
+            return []
+        moves, names = [], []
+        for s in rows:
+            if is_lookup(s.draft):
+                names.append(governed(s.request, s.draft_name))
+                continue
+            req = s.request
+            if not (req.params.greedy and self._governor_decides(req) and req.draft in self.drafts):
+                return []
+            alt = next(((name, d) for name, d in self._candidates(req)[1:] if is_lookup(d)), None)
+            if alt is None:
+                return []
+            moves.append((s, governed(req, alt[0]), alt[1], governed(req, s.draft_name) if s.draft is not None else None))
+            names.append(moves[-1][1])
+        if not self.governor.batch_moves(LOOKUP_POOL, names, [now for *_, now in moves]):
+            return []
+        return [(s, name, draft) for s, name, draft, _ in moves]
+
     def _pick_draft(self, req: Request, rows: int) -> tuple[Draft | None, str | None]:
         """(the drafter a new request runs, the name it is judged under), or (None, None) for plain decoding: its
         own draft, or one of the draft's alternatives (`set_alternatives`), as the governor chooses for a batch
@@ -741,7 +803,7 @@ class DecodeEngine:
     def _shadow(self, s: SlotState) -> None:
         """Replay lookup over a greedy request's tokens (`LookupShadow`) where its draft has a lookup alternative
         and the governor judges it: the governor prices that alternative for the domain from every such request
-        (`observe_shadow`), and a request running alone may move to it from its draft (`_commit_round`)."""
+        (`observe_tokens`), and a request running alone may move to it from its draft (`_commit_round`)."""
         req = s.request
         if not (self.lookup_replay and req.params.greedy and self.governor.enabled and req.draft in self.drafts
                 and self._governor_decides(req)):
@@ -1205,7 +1267,7 @@ class DecodeEngine:
         if s.shadow is not None and kept:
             replayed = s.shadow.extend(kept)
             if replayed:
-                self.governor.observe_shadow(s.shadow_name, LOOKUP_POOL, replayed)
+                self.governor.observe_tokens(s.shadow_name, LOOKUP_POOL, replayed)
         if new_tokens:
             s.pending = new_tokens[-1]
         finished = reason is not None

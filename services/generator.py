@@ -99,9 +99,9 @@ class GeneratorCore:
                                   gamma=GammaController(spec.num_speculative_tokens, enabled=self.args.adaptive_gamma),
                                   overlap=self.args.overlap)
             if self.args.governor:
-                engine.calibrate()  # the governor's plain-decoding cost before the first request
                 if self.args.lookup_alternative:  # each trained draft's alternative (`activate`)
                     engine.add_draft(LOOKUP, LookupDraft())
+                engine.calibrate()  # the governor's plain-decoding (and, with graphs, lookup round) costs up front
         except Exception as exc:  # the replica fails to start and Serve reports why
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise

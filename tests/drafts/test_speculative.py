@@ -1154,7 +1154,9 @@ def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative
                                                                                       eos_token_ids=()), "d")
     assert [o.token_ids for o in outs] == ar_greedy(target, lengths)
     assert {o.draft for o in outs} <= {"d", "d/lookup", None}  # what each ran last (moved to lookup, or plain)
-    assert {k.split("@")[0] for k in gov.snapshot()["spec_samples"]} == {"d", "d/lookup"}  # both ran rounds
+    ran = {k.split("@")[0] for k in gov.snapshot()["spec_samples"]}
+    assert ran - {"lookup"} == {"d", "d/lookup"}  # both ran rounds ("lookup": calibrate's lookup rounds, with graphs)
+    assert ("lookup" in ran) == (graphs is not None)
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
@@ -1226,14 +1228,59 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     out, gov = run(0.002)  # 1 ms a token over the replay, against the draft's 12 ms round over 2.6: 4.6 ms
     assert out.token_ids == want
     assert out.draft == "d/lookup" and gov.decisions["switched"] == 1
-    replayed = gov.snapshot()["replayed_rounds"]["d/lookup"]
-    assert replayed >= 32 and gov.snapshot()["replayed_tokens_per_round"]["d/lookup"] > 1.5
+    replayed = gov.snapshot()["pooled_rounds"]["d/lookup"]
+    assert replayed >= 32 and gov.snapshot()["pooled_tokens_per_round"]["d/lookup"] > 1.5
     out, gov = run(0.002, replay=False)  # the default: no replay, no move
-    assert out.token_ids == want and out.draft == "d" and gov.snapshot()["replayed_rounds"] == {}
+    assert out.token_ids == want and out.draft == "d" and gov.snapshot()["pooled_rounds"] == {}
     out, gov = run(0.030)  # lookup's 15 ms a token: the replay does not move it
     assert out.token_ids == want and out.draft == "d" and gov.decisions["switched"] == 0
     out, gov = run(0.002, SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, seed=1))
-    assert "d/lookup" not in gov.snapshot()["replayed_rounds"]
+    assert "d/lookup" not in gov.snapshot()["pooled_rounds"]
+
+
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
+def test_a_batch_whose_rows_can_all_run_lookup_moves_to_it_together_where_the_governor_prices_it_cheaper(tiny, graphs,
+                                                                                                      overlap):
+    """Three greedy requests whose draft has the lookup alternative start on plain decoding (neither drafter pays at
+    their batch size, each priced by its own rounds); once lookup's rows make 4 tokens a round for a 1.5 ms row's
+    round (a batch of them 0.375 ms a token against plain decoding's 1), the whole batch moves to lookup at the next
+    step and stays there (its rows are not judged one by one, where their own past rounds price lookup at 3 ms a
+    token), with plain decoding's tokens. One sampled row among them (it cannot move) keeps the batch as it is."""
+    from engine.governor import SpeculationGovernor
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[2, 6, 1, 7], [1, 2, 3, 4, 5], [3, 3, 5, 0, 1, 4]]
+    greedy = SamplingParams(max_new_tokens=40, eos_token_ids=())
+    want = generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, greedy)
+
+    def run(params):
+        gov = SpeculationGovernor(min_samples=2, probe_every=1000)
+        for _ in range(16):
+            gov.observe_ar(4, 0.004, 4)  # plain decoding at 3-4 rows: 1 ms a token
+            gov.observe_spec("d", 4, 0.012, 4)  # the draft: 3 ms a token
+            gov.observe_spec("d/lookup", 4, 0.012, 4)  # lookup's own rounds so far: 3 ms a token
+            gov.observe_pool("lookup", 4, 0.006, 4)  # a lookup row's round in a batch of them: 1.5 ms
+        gov.observe_tokens("d/lookup", None, [1] * 16)  # 1 token a round so far: a batch of them 1.5 ms a token
+        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
+        eng.set_alternatives("d", ["lookup"])
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            eng.add_request(Request(f"r{i}", prompt, p, "d"))
+
+        def cheaper(eng):
+            assert all(s.draft is None for s in eng.slots if s is not None and s.request.params.greedy)  # plain
+            gov.observe_tokens("d/lookup", None, [4] * 400)
+            gov.observe_ar = gov.observe_spec = gov.observe_pool = gov.observe_tokens = lambda *args: None
+
+        got, _ = drive(eng, {2: cheaper})
+        return got, gov, eng
+
+    got, gov, eng = run([greedy] * 3)
+    assert [got[f"r{i}"] for i in range(3)] == [o.token_ids for o in want]
+    assert gov.decisions["switched"] == 3 and gov.decisions["plain"] == 3
+    sampled = SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8)
+    got, gov, eng = run([greedy, sampled, greedy])
+    assert got["r0"] == want[0].token_ids and got["r2"] == want[2].token_ids
+    assert gov.decisions["switched"] == 0
 
 
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):

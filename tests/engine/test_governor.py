@@ -612,12 +612,12 @@ def test_a_replayed_drafter_is_priced_from_its_pool_s_rounds_over_its_own_replay
     for _ in range(16):
         gov.observe_pool("lookup", 1, 0.012, 1)  # a lookup round at batch 1: 12 ms (code's, say)
     assert gov.choose(["general", "general/lookup"]) == 1  # not measured: tried
-    gov.observe_shadow("general/lookup", "lookup", [4] * 40)  # general's replies: 4 tokens a lookup round
+    gov.observe_tokens("general/lookup", "lookup", [4] * 40)  # general's replies: 4 tokens a lookup round
     assert gov.choose(["general", "general/lookup"]) == 1  # 3 ms a token against the draft's 5
-    assert gov.snapshot()["replayed_tokens_per_round"]["general/lookup"] == 4
+    assert gov.snapshot()["pooled_tokens_per_round"]["general/lookup"] == 4
     # Batch 8, lookup not measured there: a row's round estimated from batch 1, 12 / 8 ms, over 4 tokens: 0.375 ms.
     assert gov.choose(["general", "general/lookup"], rows=8) == 0
-    gov.observe_shadow("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
+    gov.observe_tokens("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
     assert gov.choose(["general", "general/lookup"]) == 0
     assert not gov.may_pay("general/lookup")  # dearer than plain decoding's 10 ms a token
 
@@ -627,7 +627,7 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     feed(gov, "code", ar_cost=0.010, spec_cost=0.004)  # the draft's round: 12 ms
     for _ in range(16):
         gov.observe_pool("lookup", 1, 0.006, 1)  # lookup's: 6 ms
-    gov.observe_shadow("code/lookup", "lookup", [3] * 8)
+    gov.observe_tokens("code/lookup", "lookup", [3] * 8)
     rng = random.Random(0)
     own = [rng.choice([2, 3, 4]) for _ in range(REQUEST_WINDOW)]  # 3 tokens a draft round: 4 ms a token
     assert gov.prefers_alternative("code", "code/lookup", own, [rng.choice([3, 4, 5]) for _ in range(REQUEST_WINDOW)])
@@ -636,3 +636,26 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     assert not gov.prefers_alternative("code", "code/lookup", own[:-1], [6] * REQUEST_WINDOW)  # too few rounds yet
     assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * (REQUEST_WINDOW - 1))
     assert not SpeculationGovernor().prefers_alternative("code", "code/lookup", own, [6] * REQUEST_WINDOW)  # unmeasured
+
+
+def test_a_batch_moves_to_lookup_where_a_batch_of_lookup_rows_is_priced_below_plain_decoding_and_its_drafts():
+    """At 8 rows the drafts do not pay (0.23 ms a token against plain decoding's 0.10). A batch of lookup rows is
+    priced as the pool's row round (estimated from batch 1 a row until a batch of 8 is measured) times its rows
+    over the sum of its rows' tokens a round, each row's domain its own: the batch, not each domain, must pay."""
+    gov = SpeculationGovernor(min_samples=4)
+    feed(gov, "code", ar_cost=0.0001, spec_cost=0.00023, rows=8)
+    names = ["code/lookup"] * 4 + ["dialog/lookup"] * 4
+    assert not gov.batch_moves("lookup", names, ["code"] * 4 + [None] * 4)  # nothing known of lookup
+    for _ in range(16):
+        gov.observe_pool("lookup", 1, 0.0009, 1)  # 0.9 ms a round at batch 1: about 0.11 ms a row's round at 8
+    gov.observe_tokens("code/lookup", None, [3] * 16)
+    assert not gov.batch_moves("lookup", names, [None] * 8)  # dialog's tokens a round not known yet
+    gov.observe_tokens("dialog/lookup", None, [1] * 16)  # alone, dialog's lookup would not pay (0.11 ms a token)
+    assert gov.batch_moves("lookup", names, ["code"] * 4 + [None] * 4)  # the batch: 0.11 x 8 / 16 = 0.056 ms
+    assert gov.snapshot()["pooled_tokens_per_round"] == {"code/lookup": 3, "dialog/lookup": 1}
+    assert not gov.batch_moves("lookup", names, ["dialog"] + [None] * 7)  # what a row runs is not known there
+    assert not gov.batch_moves("lookup", ["dialog/lookup"] * 8, [None] * 8)  # a batch of dialog: 0.11 ms a token
+    for _ in range(16):
+        gov.observe_pool("lookup", 8, 0.0048, 8)  # a batch of 8 lookup rows measured: 0.6 ms a row's round
+    assert not gov.batch_moves("lookup", names, [None] * 8)  # 0.3 ms a token: dearer than plain decoding
+    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == 0.0006 and gov.pool_samples("lookup", 8) == 16
