@@ -1157,6 +1157,8 @@ def test_requests_the_governor_splits_between_a_draft_and_its_lookup_alternative
     ran = {k.split("@")[0] for k in gov.snapshot()["spec_samples"]}
     assert ran - {"lookup"} == {"d", "d/lookup"}  # both ran rounds ("lookup": calibrate's lookup rounds, with graphs)
     assert ("lookup" in ran) == (graphs is not None)
+    if graphs:  # calibrate seeded the lookup pool's row round at every batch size
+        assert all(gov.pool_samples("lookup", rows) >= gov.min_samples for rows in (1, 2, 4))
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
