@@ -307,11 +307,15 @@ class DecodeEngine:
                 generate(self, [list(prompt)] * rows, params)
         lookup = next((name for name, draft in self.drafts.items() if is_lookup(draft)), None)
         if lookup is not None and self.graphs.enabled:
-            for rows in batch_sizes:
-                for _ in range(attempts):
-                    if self.governor.pool_samples(LOOKUP_POOL, rows) >= self.governor.min_samples:
-                        break
-                    generate(self, [list(prompt)] * rows, params, lookup)
+            enabled, self.governor.enabled = self.governor.enabled, False  # lookup rounds whether or not they pay
+            try:
+                for rows in batch_sizes:
+                    for _ in range(attempts):
+                        if self.governor.pool_samples(LOOKUP_POOL, rows) >= self.governor.min_samples:
+                            break
+                        generate(self, [list(prompt)] * rows, params, lookup)
+            finally:
+                self.governor.enabled = enabled
         return {rows: self.governor.plain_samples(rows) for rows in batch_sizes}
 
     def warmup(self, max_len: int = 256, prompt_len: int = 32, sampling: tuple[str, ...] | None = None) -> int:
@@ -765,8 +769,8 @@ class DecodeEngine:
         """(row, the name it would be judged under, the lookup drafter) for each running row not on lookup, where the
         batch moves to lookup (`_batch_to_lookup`); [] where it does not."""
         rows = [s for s in self.slots if s is not None]
-        if len(rows) < 2 or all(is_lookup(s.draft) for s in rows):
-            return []
+        if not self.governor.enabled or len(rows) < 2 or all(is_lookup(s.draft) for s in rows):
+            return []  # without the governor every request runs its own draft
         moves, names = [], []
         for s in rows:
             if is_lookup(s.draft):
