@@ -498,7 +498,15 @@ class DecodeEngine:
         off from the next step on. Rows of a batch of lookup rows that pays as a batch (`_lookup_batch_pays`) are not
         judged one by one: a round's seconds are the batch's, and a row dropped from it would split it."""
         outputs = []
-        lookup_batch = running >= 2 and self._lookup_batch_pays()
+        batch_pays: list[bool] = []  # `_lookup_batch_pays`, asked at most once a round and only for a row it judges
+
+        def in_paying_lookup_batch(s: SlotState) -> bool:
+            if running < 2 or not is_lookup(s.draft):
+                return False
+            if not batch_pays:
+                batch_pays.append(self._lookup_batch_pays())
+            return batch_pays[0]
+
         for i, s in enumerate(spec_rows):
             if self.slots[s.slot] is not s:
                 continue  # stopped or cancelled while an overlapped round ran: its tokens are past its end
@@ -510,9 +518,9 @@ class DecodeEngine:
             outputs.append(self._commit(s, result.tokens[i]))
             if s.history_refills and self.slots[s.slot] is s:
                 self._refill_history(s)
-            if (s.draft is not None and self.slots[s.slot] is s and not (lookup_batch and is_lookup(s.draft))
+            if (s.draft is not None and self.slots[s.slot] is s
                     and s.stats.rounds - s.switched_at >= self.governor.min_samples
-                    and self._governor_decides(s.request)
+                    and self._governor_decides(s.request) and not in_paying_lookup_batch(s)
                     and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
                 if not self._switch_to_alternative(s, running):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
@@ -696,11 +704,10 @@ class DecodeEngine:
             return False
         if self.waiting and self.num_running < self.max_batch_size:
             return False
-        if self._lookup_moves():
-            return False  # the batch moves to lookup at the next step (`_batch_to_lookup`)
+        # Last (it asks the governor): a batch about to move to lookup runs its next step unchained (`_batch_to_lookup`).
         return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
-                   and s.length + span <= self.max_seq_len - 1 for s in batch)
+                   and s.length + span <= self.max_seq_len - 1 for s in batch) and not self._lookup_moves()
 
     def _launch_next_round(self, batch: list[SlotState], packed: torch.Tensor, pos0: torch.Tensor, gamma: int,
                            greedy: bool) -> "_Ahead | None":
