@@ -506,15 +506,19 @@ def prefill_calls(attention: str, reps: int = 20) -> None:
     """One admission's target prefill pass (`DecodeEngine._prefill_target`, the fused default target) at batch 1
     and 8 and prompts of 32-2,047 tokens, plain and for the code draft (its trunk split and captured layers):
     ms from the call to the device having finished (median of `reps`, synchronized), eager and as a CUDA graph
-    over the prompts padded to a power-of-two length (`prefill_graphs`); the time before a request's first
-    token that does not depend on decoding."""
+    over the prompts padded to a power-of-two length (`prefill_graphs`), the graph with the elementwise kernels
+    eager and compiled (`FusedOps.long_compiled`); the time before a request's first token that does not depend
+    on decoding."""
     from engine.scheduler import DecodeEngine
     from engine.speculative import feature_layers_of
 
     loaded, drafts = fused_default(attention)
     model = loaded.model
     code = drafts["code"]
-    for graphs in (False, True):
+    ops = model._fused_ops
+    default_long = ops.long_compiled
+    for graphs, long_compiled in ((False, False), (True, False), (True, True)):
+        ops.long_compiled = long_compiled  # the elementwise kernels of long steps compiled (`FusedOps.long`) or eager
         eng = DecodeEngine(model, None, max_batch_size=8, max_seq_len=2048, prefill_graphs=graphs)
         for b in (1, 8):
             for t in (32, 100, 512, 2047):
@@ -532,8 +536,9 @@ def prefill_calls(attention: str, reps: int = 20) -> None:
                         start = time.perf_counter()
                         call()
                         times.append((time.perf_counter() - start) * 1e3)
-                    print(json.dumps({"prefill": "graph" if graphs else "eager", "batch": b, "tokens": t, "for": name,
-                                      "ms": round(statistics.median(times), 3)}), flush=True)
+                    print(json.dumps({"prefill": "graph" if graphs else "eager", "compiled": long_compiled, "batch": b,
+                                      "tokens": t, "for": name, "ms": round(statistics.median(times), 3)}), flush=True)
+    ops.long_compiled = default_long
 
 
 @torch.no_grad()

@@ -16,9 +16,11 @@ reductions, both switched on by `Transformer.fuse_for_inference()` (off by defau
   triton kernels capture like any other kernel). They are plain functions of tensors (weights are
   arguments, not module attributes), so 30 layers share one compiled graph per input shape instead of
   one per layer. Compiled kernels serve steps of at most `max_compiled_tokens` tokens per row (decode,
-  draft and verify steps; prefill runs the same functions eagerly, it is not launch-bound) and at most
-  `MAX_SHAPES` distinct input shapes per function (later shapes run eagerly rather than recompile), so
-  recompiles are bounded. If compiling fails, the run goes on eagerly after one warning.
+  draft and verify steps) and at most `MAX_SHAPES` distinct input shapes per function (later shapes run
+  eagerly rather than recompile), so recompiles are bounded. Longer steps (a prefill) take the same
+  functions compiled once more with the row count dynamic (`FusedOps.long`): a prefill captured as a CUDA
+  graph is bound by its launches too (run 31: 2.4 ms at 32 tokens, 2.9 at 512), and one compiled graph
+  then serves every prompt length. If compiling fails, the run goes on eagerly after one warning.
 
 Everything here is inference-only: the fused weights carry no gradient to the parameters, so layers
 take the unfused path whenever autograd would need one (grad enabled and the weights require grad).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from typing import Callable, NamedTuple
 
 import torch
@@ -77,18 +80,25 @@ EAGER = Kernels(rms_norm, add_rms_norm, rope_qk, silu_mul)
 
 
 class _CompiledKernel:
-    """One compiled function with a bounded set of shapes and an eager fallback."""
+    """One compiled function with a bounded set of shapes and an eager fallback. `rows_dynamic`: compiled with
+    the leading (row) dimension dynamic, so shapes that differ only there share one compiled graph."""
 
-    def __init__(self, ops: "FusedOps", eager: Callable, compiled: Callable) -> None:
+    def __init__(self, ops: "FusedOps", eager: Callable, compiled: Callable, rows_dynamic: bool = False) -> None:
         self.ops, self.eager, self.compiled = ops, eager, compiled
+        self.rows_dynamic = rows_dynamic
         self.shapes: set[tuple] = set()  # what dynamo specializes on: one compiled graph each
         self.eager_keys: set[tuple] = set()
+
+    def _layout(self, a: torch.Tensor) -> tuple:
+        if self.rows_dynamic and a.dim() > 1:
+            return (a.dim(), a.shape[1:], a.stride()[1:], a.is_contiguous())
+        return (a.shape, a.stride())
 
     def __call__(self, *args):
         if self.ops.failed:
             return self.eager(*args)
         key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-               *((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
+               *((self._layout(a), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor) else a
                  for a in args))
         if key not in self.shapes:
             if len(self.shapes) >= MAX_SHAPES or key in self.eager_keys:
@@ -112,7 +122,10 @@ class FusedOps:
     """The elementwise kernels fused layers call: compiled for small steps, eager otherwise.
 
     One instance per (compile, backend) is shared by every model and draft (`make_ops`), so the
-    compiled functions and their shape bookkeeping are shared too.
+    compiled functions and their shape bookkeeping are shared too. `long`: the kernels of steps longer than
+    `max_compiled_tokens` tokens per row (a prefill), compiled with the row count dynamic where `long_compiled`
+    (default on; FLASHSPEC_PREFILL_COMPILE=0 in the environment: eager), which is read when a step runs (or
+    is captured).
     """
 
     def __init__(self, compile: bool, backend: str | Callable = "inductor",
@@ -122,11 +135,15 @@ class FusedOps:
         self.max_compiled_tokens = max_compiled_tokens
         self.failed = False
         self.compiled = None
+        self.long = EAGER
+        self.long_compiled = os.environ.get("FLASHSPEC_PREFILL_COMPILE", "1") != "0"
         if compile:
             try:
                 self.compiled = Kernels(*(_CompiledKernel(self, fn, _compile(fn, backend)) for fn in EAGER))
+                self.long = Kernels(*(_CompiledKernel(self, fn, _compile(fn, backend, dynamic=True), rows_dynamic=True)
+                                      for fn in EAGER))
             except Exception as exc:  # noqa: BLE001 - torch.compile unavailable here: eager, one warning
-                self.compiled = EAGER
+                self.compiled = self.long = EAGER
                 self.fail(exc)
 
     @property
@@ -134,17 +151,24 @@ class FusedOps:
         return self.compiled is not None and not self.failed
 
     def select(self, tokens_per_row: int) -> Kernels:
-        if self.compiled is not None and not self.failed and tokens_per_row <= self.max_compiled_tokens:
+        if self.compiled is None or self.failed:
+            return EAGER
+        if tokens_per_row <= self.max_compiled_tokens:
             return self.compiled
-        return EAGER
+        return self.long if self.long_compiled else EAGER
 
     def shape_counts(self) -> dict[str, dict[str, int]]:
         """Per compiled function: how many input shapes it compiled and how many run eagerly because a
         limit was reached (ours, `MAX_SHAPES`, or dynamo's). Empty when nothing is compiled."""
         if not isinstance(self.compiled, Kernels) or self.compiled is EAGER:
             return {}
-        return {name: {"compiled": len(k.shapes), "eager": len(k.eager_keys), "cap": MAX_SHAPES}
-                for name, k in zip(Kernels._fields, self.compiled)}
+        counts = {name: {"compiled": len(k.shapes), "eager": len(k.eager_keys), "cap": MAX_SHAPES}
+                  for name, k in zip(Kernels._fields, self.compiled)}
+        if isinstance(self.long, Kernels) and self.long is not EAGER:
+            counts.update({f"{name} (long steps)": {"compiled": len(k.shapes), "eager": len(k.eager_keys),
+                                                    "cap": MAX_SHAPES}
+                           for name, k in zip(Kernels._fields, self.long)})
+        return counts
 
     def fail(self, exc: Exception) -> None:
         if not self.failed:
@@ -157,8 +181,8 @@ class FusedOps:
                         "from now on (the fused GEMMs stay on)", type(root).__name__, " ".join(lines[:2]))
 
 
-def _compile(fn: Callable, backend: str | Callable) -> Callable:
-    kwargs = dict(fullgraph=True, dynamic=False, backend=backend)
+def _compile(fn: Callable, backend: str | Callable, dynamic: bool = False) -> Callable:
+    kwargs = dict(fullgraph=True, dynamic=dynamic, backend=backend)
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
