@@ -701,7 +701,7 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     gammas = getattr(bench.args, "lookup", ())
     if not gammas:
         return []
-    lookup = LookupDraft()
+    lookup = LookupDraft(gammas={})  # each row's gamma at every batch size
     drafts = {domain: lookup for domain in DOMAINS}  # every row names it, under its domain
     rows = []
     for gamma in gammas:

@@ -132,26 +132,46 @@ class LookupShadow:
         return made
 
 
+# Greedy lookup rounds' gamma by batch-size bucket where it differs from the engine's: a lone row drafts 8 (on the
+# H200 a lone lookup row ran 3-4 % faster at 8 than at 5, runs 33-34 and 37), a batch the engine's gamma (at 8 rows,
+# gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37).
+DEFAULT_GAMMAS = {1: 8}
+
+
 class LookupDraft:
     """A drafter without weights, registered like a draft (`DecodeEngine.add_draft(name, LookupDraft())`): a
     request that names it runs lookup rounds (`launch_lookup_round`). It has no trunk split, adapters, head or
-    cache of its own."""
+    cache of its own.
+
+    `gammas`: the tokens a greedy lookup round proposes, by batch-size bucket (1, 2, 4, ...), where it differs from
+    the engine's gamma (default `DEFAULT_GAMMAS`; `{}`: the engine's at every batch size). The engine caps it at
+    its cache margin (`DecodeEngine.lookup_gamma`). Sampled rounds take the engine's gamma: a seeded request's
+    draws must not depend on its batch."""
 
     shared_layers = 0
     adapter_layers = 0
     feature_input = "none"
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 2, gammas: dict[int, int] | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=2")
-        self.max_n, self.min_n = max_n, min_n
+        gammas = dict(DEFAULT_GAMMAS if gammas is None else gammas)
+        bad = {b: g for b, g in gammas.items()
+               if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0 and g >= 1)}
+        if bad:
+            raise ValueError(f"lookup gammas {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma >= 1}}, e.g. {{1: 8}}")
+        self.max_n, self.min_n, self.gammas = max_n, min_n, gammas
+
+    def gamma_at(self, bucket: int, default: int) -> int:
+        """A greedy round's gamma at this batch-size bucket (`default`: the engine's)."""
+        return self.gammas.get(bucket, default)
 
     def trainable_parameters(self) -> list:
         return []
 
     def __repr__(self) -> str:
-        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n})"
+        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas})"
 
 
 def is_lookup(draft) -> bool:

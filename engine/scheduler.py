@@ -655,11 +655,17 @@ class DecodeEngine:
         return RoundResult([r.tokens[i] for r, i in picked], [r.num_accepted[i] for r, i in picked],
                            [r.drafted[i] for r, i in picked], [r.verify_passes[i] for r, i in picked])
 
-    def _lookup_round(self, rows: list[SlotState]):
-        """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at the engine's
-        gamma; with `overlap`, the batch's next one is launched from its outcome on the device first."""
+    def lookup_gamma(self, draft, rows: int, greedy: bool = True) -> int:
+        """The tokens a round of `rows` rows of lookup drafter `draft` proposes: greedy, the drafter's gamma at the
+        batch's bucket (`LookupDraft.gammas`, at most the cache margin); sampled, the engine's gamma."""
         gamma = self.spec.num_speculative_tokens
+        return min(draft.gamma_at(self.batch_bucket(rows), gamma), self.margin) if greedy else gamma
+
+    def _lookup_round(self, rows: list[SlotState]):
+        """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at `lookup_gamma`;
+        with `overlap`, the batch's next one is launched from its outcome on the device first."""
         greedy = all(s.request.params.greedy for s in rows)
+        gamma = self.lookup_gamma(rows[0].draft, len(rows), greedy)
         packed, pos0 = launch_lookup_round(self, rows, gamma, max(s.length for s in rows) + gamma + 2, greedy)
         host, ready = _fetch(packed)
         if self._may_overlap_round(rows):
@@ -692,7 +698,10 @@ class DecodeEngine:
     def _may_overlap_round(self, batch: list[SlotState]) -> bool:
         """Whether the batch's next round may be launched before the host reads the one in flight (`_may_chain`):
         every row speculates and wants two more full rounds."""
-        return self._may_chain(batch, 2 * (self.spec.num_speculative_tokens + 1), speculating=True)
+        gamma = self.spec.num_speculative_tokens
+        if batch and all(is_lookup(s.draft) for s in batch):
+            gamma = max(gamma, self.lookup_gamma(batch[0].draft, len(batch)))
+        return self._may_chain(batch, 2 * (gamma + 1), speculating=True)
 
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
         """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
@@ -821,7 +830,7 @@ class DecodeEngine:
             return
         for name, draft in self._candidates(req)[1:]:
             if is_lookup(draft):
-                s.shadow = LookupShadow(req.prompt_ids, self.spec.num_speculative_tokens, draft.max_n, draft.min_n)
+                s.shadow = LookupShadow(req.prompt_ids, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n)
                 s.shadow_name = governed(req, name)
                 return
 

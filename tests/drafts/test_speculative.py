@@ -1305,7 +1305,33 @@ def test_lookup_draft_settings_are_checked():
 
     with pytest.raises(ValueError, match="min_n"):
         LookupDraft(max_n=1, min_n=2)
+    for bad in ({3: 8}, {1: 0}, {0: 4}):
+        with pytest.raises(ValueError, match="batch-size bucket"):
+            LookupDraft(gammas=bad)
     assert LookupDraft().trainable_parameters() == []
+    assert LookupDraft().gamma_at(1, 5) == 8 and LookupDraft().gamma_at(8, 5) == 5
+    assert LookupDraft(gammas={}).gamma_at(1, 5) == 5
+
+
+def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
+    """A greedy lookup round's gamma comes from its drafter by batch-size bucket (`LookupDraft.gammas`): two rows
+    run the engine's 5, the one left when the other stops runs 8, capped by the cache margin; sampled rounds run
+    the engine's gamma. Tokens are plain decoding's throughout."""
+    from engine.lookup import LookupDraft
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (20, 60)]
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=2, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(small, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate")
+    eng.add_draft("lookup", LookupDraft())
+    assert [o.token_ids for o in generate(eng, prompts, params, "lookup")] == want
+    gammas = {(k[-2][1][0], k[3]) for k in eng.graphs.graphs if k[0] == "lookup-round"}  # (rows, gamma)
+    assert {(2, 5), (1, 8)} <= gammas and all(g == (5 if rows > 1 else 8) for rows, g in gammas), gammas
+    lookup = eng.drafts["lookup"]
+    assert eng.lookup_gamma(lookup, 1) == 8 and eng.lookup_gamma(lookup, 1, greedy=False) == 5
+    narrow = DecodeEngine(small, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(2, 2))
+    assert narrow.lookup_gamma(LookupDraft(), 1) == narrow.margin == 6  # the cache margin bounds it
 
 
 @pytest.mark.parametrize("graphs", [None, "emulate"])
