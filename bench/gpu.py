@@ -313,6 +313,9 @@ class Bench:
         interleaved (pass p runs every row, starting at row p), so a slow drift of the machine (clocks,
         another process) moves every row of the cell alike instead of the rows measured during it. A row that
         fails, building or in a pass, is kept as failed with its error and the others go on."""
+        wanted = getattr(self.args, "rows", None)
+        if wanted:  # --rows: the cell's first row (what the ratios are against) and the rows named
+            rows = [r for i, r in enumerate(rows) if i == 0 or any(w in r[0] for w in wanted)]
         live: list[tuple[str, EngineRow]] = []
         failed: dict[str, str] = {}
         self._cell_base = _allocated()
@@ -922,6 +925,9 @@ def main() -> None:
     parser.add_argument("--skip-seed", action="store_true", help="leave out the seed-default-shape rows")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--rows", default=None, type=lambda v: tuple(w for w in v.split(";") if w),
+                        help="engine rows to run, as ';'-separated parts of their names (each cell's first row, "
+                             "what its ratios are against, always runs), e.g. 'overlapped' or 'lookup;governor'")
     parser.add_argument("--hf-modes", default="eager,static,lookup", help="transformers generate rows to run")
     parser.add_argument("--blocks", default="5,2", type=lambda v: tuple(int(b) for b in v.split(",")),
                         help="block sizes of the best-draft rows (the governor row always uses 5)")
