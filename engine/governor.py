@@ -140,7 +140,7 @@ class SpeculationGovernor:
         self._row_tokens: dict[str, _Rate] = {}
         self._admissions: dict[str, int] = {}
         # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
-        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
+        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0}
         self._lock = threading.Lock()
 
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
@@ -423,6 +423,27 @@ class SpeculationGovernor:
                 return False
             margin = 2 * self.error_weight * math.hypot(mine[1], theirs[1], a[1], b[1])
             return b[0] / theirs[0] * (1 + margin) < a[0] / mine[0]
+
+    def returns_to(self, pool: str, replayed: Sequence[int]) -> bool:
+        """Should a request decoding plainly alone go (back) on `pool`'s drafter (n-gram lookup), whose rounds over
+        its own last tokens would have made `replayed` tokens each (`engine.lookup.LookupShadow`)? Yes when the
+        pool's round at batch 1 over the replayed tokens a round costs less a token than plain decoding at batch 1
+        by more than twice their combined standard error. Lookup keeps no state but the request's tokens, so a
+        request that left it (`keep_speculating`) may come back once its text repeats itself, and leave again: a
+        reply that does not repeat early often does later (run 37: lookup alone 2.46x plain decoding at bs 1,
+        with the per-request drop and no way back 1.66x)."""
+        with self._lock:
+            own = _window(replayed)
+            round_ = self._pool.get((pool, 1))
+            ar = self._ar.get(1)
+            if (own is None or round_ is None or round_.count < self.min_samples or ar is None
+                    or ar.count < self.min_samples):
+                return False
+            margin = 2 * self.error_weight * math.hypot(own[1], round_.relative_error(self.alpha),
+                                                        ar.relative_error(self.alpha))
+            back = round_.value / own[0] * (1 + margin) < ar.value
+            self.decisions["returned"] += back
+            return back
 
     def plain_samples(self, rows: int) -> int:
         """Plain-decoding steps measured at the batch-size bucket of `rows`."""

@@ -119,6 +119,10 @@ class SlotState:
     # (`engine.lookup.LookupShadow`), reported to the governor under `shadow_name` (the alternative's governed name).
     shadow: object | None = None
     shadow_name: str | None = None
+    # A greedy request decoding plainly that may go (back) on an n-gram lookup drafter: lookup's rounds replayed
+    # over its tokens since it went plain (`DecodeEngine._watch_lookup`), and what it would run, (name, drafter).
+    comeback: object | None = None
+    comeback_to: tuple | None = None
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
     pending: int = -1  # last produced token, not yet run through the model
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -489,6 +489,7 @@ class DecodeEngine:
             for s, toks in zip(ar_rows, new):
                 s.length += len(toks)
                 outputs.append(self._commit(s, toks))
+                self._plain_committed(s)
         if spec_rows:
             outputs += self._commit_round(spec_rows, result, len(running))
         return outputs
@@ -524,6 +525,7 @@ class DecodeEngine:
                     and not self.governor.keep_speculating(governed(s.request, s.draft_name), running, s.stats.recent)):
                 if not self._switch_to_alternative(s, running):
                     s.draft = None  # speculation does not pay here: plain decoding from the next step on
+                    self._watch_lookup(s)
             elif (running == 1 and s.shadow is not None and s.draft is not None and s.draft_name == s.request.draft
                   and self.slots[s.slot] is s and s.stats.rounds - s.switched_at >= self.governor.min_samples
                   and self.governor.prefers_alternative(governed(s.request, s.draft_name), s.shadow_name,
@@ -562,6 +564,39 @@ class DecodeEngine:
         ids = list(s.request.prompt_ids) + s.output_ids
         self.history[s.slot, : len(ids)] = torch.tensor(ids, dtype=self.history.dtype, device=self.device)
         s.history_refills -= 1
+
+    def _watch_lookup(self, s: SlotState) -> None:
+        """A greedy request decoding plainly whose request names an n-gram lookup drafter, or whose draft has one as
+        its alternative, and that the governor judges: replay lookup's rounds over its tokens from here on
+        (`LookupShadow`, at its gamma alone), so that running alone it may go (back) on lookup once its text
+        repeats itself (`_plain_committed`)."""
+        req = s.request
+        if not (req.params.greedy and self.governor.enabled and self._governor_decides(req)):
+            return
+        for name, draft in self._candidates(req) if req.draft in self.drafts else ():
+            if is_lookup(draft):
+                ids = list(req.prompt_ids) + s.output_ids
+                s.comeback = LookupShadow(ids[:-1] if s.output_ids else ids, self.lookup_gamma(draft, 1), draft.max_n,
+                                          draft.min_n)
+                if s.output_ids:
+                    s.comeback.extend(ids[-1:])  # the pending token: the next round's history ends with it
+                s.comeback_to = (name, draft)
+                return
+
+    def _plain_committed(self, s: SlotState) -> None:
+        """After a plain call's tokens were committed for a row still running: the second history refill of a row
+        moved to lookup while that call was in flight (`_move_to_lookup`); else, running alone and watched
+        (`_watch_lookup`), the move (back) to lookup where the governor prices lookup's replayed rounds below plain
+        decoding (`SpeculationGovernor.returns_to`)."""
+        if self.slots[s.slot] is not s:
+            return
+        if s.history_refills:
+            self._refill_history(s)
+        elif (s.comeback is not None and s.draft is None and self.num_running == 1
+              and self.governor.returns_to(LOOKUP_POOL, s.comeback.recent)):
+            name, draft = s.comeback_to
+            s.comeback = s.comeback_to = None
+            self._move_to_lookup(s, name, draft)
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
         """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample). A round
@@ -756,6 +791,8 @@ class DecodeEngine:
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
             state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft, draft_name=name)
             self._shadow(state)
+            if draft is None:
+                self._watch_lookup(state)
             self.slots[slot] = state
             self._reset_row(slot)
             batch.append(state)
@@ -1038,6 +1075,7 @@ class DecodeEngine:
             s.length += len(toks)
             kept += len(toks)
             outputs.append(self._commit(s, toks))
+            self._plain_committed(s)
         if self._cold_events() == cold and len(outputs) == len(batch):
             self.governor.observe_ar(len(batch), time.perf_counter() - t0, kept)
         return outputs
@@ -1288,6 +1326,8 @@ class DecodeEngine:
             replayed = s.shadow.extend(kept)
             if replayed:
                 self.governor.observe_tokens(s.shadow_name, LOOKUP_POOL, replayed)
+        if s.comeback is not None and kept:
+            s.comeback.extend(kept)
         if new_tokens:
             s.pending = new_tokens[-1]
         finished = reason is not None

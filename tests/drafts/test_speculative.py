@@ -1199,6 +1199,39 @@ def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternati
     assert gov.decisions["dropped"] == 1 and gov.decisions["switched"] == 0
 
 
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
+def test_a_lone_request_dropped_from_lookup_comes_back_once_its_replayed_rounds_pay(tiny, graphs, overlap):
+    """A lone greedy lookup request the governor drops to plain decoding keeps lookup's rounds replayed over its
+    tokens (`_watch_lookup`); once they price lookup below plain decoding (`SpeculationGovernor.returns_to`: the
+    pool's round at batch 1 over the replayed tokens a round) it goes back on lookup, its history rewritten from
+    the host (with a plain call in flight too), and its tokens stay plain decoding's."""
+    from engine.governor import REQUEST_WINDOW, SpeculationGovernor
+    from engine.lookup import LOOKUP_POOL, LookupDraft
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompt, new = [1, 2, 3, 4], 240
+    want = generate(DecodeEngine(small, None, max_batch_size=2, max_seq_len=300), [prompt],
+                    SamplingParams(max_new_tokens=new, eos_token_ids=()))[0].token_ids
+    gov = SpeculationGovernor(min_samples=2)
+    for _ in range(16):  # plain decoding 10 ms a token, a lookup round 12 ms, at batch 1
+        gov.observe_ar(1, 0.010, 1)
+        gov.observe_pool(LOOKUP_POOL, 1, 0.012, 1)
+    gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings change nothing
+    asked = []
+    gov.keep_speculating = lambda *args: asked.append(1) or len(asked) > 1  # dropped the first time
+    eng = DecodeEngine(small, None, max_batch_size=2, max_seq_len=300, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+                       overlap=overlap, governor=gov)
+    eng.add_draft("lookup", LookupDraft())
+    out = generate(eng, [prompt], SamplingParams(max_new_tokens=new, eos_token_ids=()), "lookup")[0]
+    assert out.token_ids == want
+    assert gov.decisions["returned"] == 1 and gov.decisions["switched"] == 1 and out.draft == "lookup"
+    # Dropped after min_samples rounds, back after REQUEST_WINDOW replayed rounds, then on lookup to the end.
+    assert out.stats.rounds > gov.min_samples + 5 and len(asked) > 1
+    assert sum(out.stats.recent) > REQUEST_WINDOW  # lookup's rounds after the return made tokens
+    whole = prompt + out.token_ids
+    assert eng.history[0, : len(whole)].tolist() == whole
+
+
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
 def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens_shows_lookup_cheaper(tiny, graphs,
                                                                                                    overlap):

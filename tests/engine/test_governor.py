@@ -28,7 +28,7 @@ def test_slow_draft_is_turned_off_except_probes():
     feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
     assert not gov.keep_speculating("code", 1)
     assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
-    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1, "switched": 0}
+    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1, "switched": 0, "returned": 0}
 
 
 def test_a_draft_off_for_a_while_is_probed_again_and_can_come_back():
@@ -244,7 +244,7 @@ def test_snapshot_reports_costs_and_sample_counts():
     gov.observe_spec("code", 8, 0.02, 10)
     snap = gov.snapshot()
     assert snap["ar_samples"] == {1: 3} and snap["spec_samples"] == {"code@8": 1}
-    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0}
+    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0}
     assert snap["ar_seconds_per_token"][1] == 0.01 and abs(snap["spec_seconds_per_token"]["code@8"] - 0.002) < 1e-12
 
 
@@ -659,3 +659,22 @@ def test_a_batch_moves_to_lookup_where_a_batch_of_lookup_rows_is_priced_below_pl
         gov.observe_pool("lookup", 8, 0.0048, 8)  # a batch of 8 lookup rows measured: 0.6 ms a row's round
     assert not gov.batch_moves("lookup", names, [None] * 8)  # 0.3 ms a token: dearer than plain decoding
     assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == 0.0006 and gov.pool_samples("lookup", 8) == 16
+
+
+def test_a_plain_request_returns_to_lookup_only_when_its_replayed_rounds_clearly_pay():
+    """`returns_to`: the lookup pool's round at batch 1 over the request's replayed tokens a round (its last
+    REQUEST_WINDOW rounds) against plain decoding's seconds a token at batch 1, by twice their combined error;
+    nothing without both costs or a full window."""
+    from engine.governor import REQUEST_WINDOW
+
+    gov = SpeculationGovernor(min_samples=4)
+    repeats = [4, 3, 5, 4] * (REQUEST_WINDOW // 4)
+    assert not gov.returns_to("lookup", repeats)  # no costs yet
+    for _ in range(8):
+        gov.observe_ar(1, 0.010, 1)
+        gov.observe_pool("lookup", 1, 0.012, 1)
+    assert not gov.returns_to("lookup", repeats[:-1])  # short of a window
+    assert gov.returns_to("lookup", repeats)  # 3 ms a token against 10
+    assert not gov.returns_to("lookup", [1, 1, 2, 1] * (REQUEST_WINDOW // 4))  # 9.6 ms a token: not clearly cheaper
+    assert not gov.returns_to("other pool", repeats)
+    assert gov.decisions["returned"] == 1
