@@ -705,6 +705,7 @@ def _traffic(eng, vocab: int) -> list:
     return outs
 
 
+@pytest.mark.slow  # about 95 s on 2 cores: `make test-slow` (the default suite keeps under 15 minutes)
 def test_warmup_with_a_position_bounded_backend_captures_every_graph_serving_runs(target, monkeypatch):
     """With attention bounded by position, graphs do not depend on the sequence length: warm-up captures every
     graph, and traffic of any length, sampling kind, row layout and mix of drafts captures none (a mix runs

@@ -162,6 +162,7 @@ def test_launch_settings_parse_and_refuse_what_the_kernels_cannot_run():
             triton_layer._config(bad)
 
 
+@pytest.mark.slow  # about 25 s on 2 cores (fresh interpreters): `make test-slow` (the default suite keeps under 15 minutes)
 def test_projection_launch_settings_from_the_environment_are_checked():
     import os
     import subprocess
