@@ -28,7 +28,10 @@ overlapped); --adaptive-gamma adds rows with
 `engine.gamma`'s controller, alone and with the governor, each also overlapped (`DecodeEngine(overlap=True)`;
 each prints the controller's choices and estimates in its log line); the fused rows include plain decoding
 overlapped; --unfused-rows ar leaves only plain decoding unfused (with --fused, the
-FlashSpec rows then run on the fused path alone).
+FlashSpec rows then run on the fused path alone). --rows "overlapped;governor's choice" runs only the engine rows
+whose names hold one of those parts (each cell's first row, what its ratios are against, always runs). Six long
+requests (two a domain) are few for the bs 1 cell: a reply's repeats decide lookup's rounds, and a numerics change
+that turns one reply into another moved its lookup rows by 5-15 % (run 37); `--long-prompts 24` runs eight a domain.
 
 The engine rows of a cell run side by side: each is built and warmed up, then their timed passes take
 turns (pass p starts at row p), so a drift of the machine during the cell moves every row alike; the
