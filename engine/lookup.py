@@ -133,7 +133,7 @@ class LookupShadow:
 
 
 # Greedy lookup rounds' gamma by batch-size bucket where it differs from the engine's: a lone row drafts 8 (on the
-# H200 a lone lookup row ran 3-4 % faster at 8 than at 5, runs 33-34 and 37), a batch the engine's gamma (at 8 rows,
+# H200 a lone lookup row ran 3-7 % faster at 8 than at 5, runs 33-34 and 37), a batch the engine's gamma (at 8 rows,
 # gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37).
 DEFAULT_GAMMAS = {1: 8}
 

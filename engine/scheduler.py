@@ -517,8 +517,6 @@ class DecodeEngine:
                 self.governor.observe_tokens(governed(s.request, s.draft_name), None, [result.num_accepted[i] + 1])
             s.length += result.num_accepted[i] + 1
             outputs.append(self._commit(s, result.tokens[i]))
-            if s.history_refills and self.slots[s.slot] is s:
-                self._refill_history(s)
             if (s.draft is not None and self.slots[s.slot] is s
                     and s.stats.rounds - s.switched_at >= self.governor.min_samples
                     and self._governor_decides(s.request) and not in_paying_lookup_batch(s)
@@ -553,8 +551,10 @@ class DecodeEngine:
         """A row goes on with a lookup drafter (from its draft, or from plain decoding), judged under `name`."""
         s.draft, s.draft_name, s.switched_at = draft, name, s.stats.rounds
         s.stats.recent.clear()  # the per-request rule judges lookup by its own rounds
-        # Now, and once more at its next commit if a round was already launched for it (overlap): that one ran its
-        # draft and writes no history; what lookup proposes from a stale tail only costs acceptance, never tokens.
+        s.comeback = s.comeback_to = None  # on lookup now: nothing to watch for (`_watch_lookup`)
+        # Now, and once more at its next commit (`_commit`) if a call was already launched for it (overlap): that one
+        # ran its draft or plain steps and writes no history; what lookup proposes from a stale tail only costs
+        # acceptance, never tokens.
         s.history_refills = 1 + (self._ahead is not None and any(r is s for r in self._ahead.batch))
         self._refill_history(s)
         self.governor.note_switch()
@@ -575,28 +575,24 @@ class DecodeEngine:
             return
         for name, draft in self._candidates(req) if req.draft in self.drafts else ():
             if is_lookup(draft):
+                s.comeback_to = (name, draft)
+                if s.shadow is not None:  # `lookup_replay` replays this drafter over its tokens already
+                    s.comeback = s.shadow
+                    return
                 ids = list(req.prompt_ids) + s.output_ids
                 s.comeback = LookupShadow(ids[:-1] if s.output_ids else ids, self.lookup_gamma(draft, 1), draft.max_n,
                                           draft.min_n)
                 if s.output_ids:
                     s.comeback.extend(ids[-1:])  # the pending token: the next round's history ends with it
-                s.comeback_to = (name, draft)
                 return
 
     def _plain_committed(self, s: SlotState) -> None:
-        """After a plain call's tokens were committed for a row still running: the second history refill of a row
-        moved to lookup while that call was in flight (`_move_to_lookup`); else, running alone and watched
-        (`_watch_lookup`), the move (back) to lookup where the governor prices lookup's replayed rounds below plain
-        decoding (`SpeculationGovernor.returns_to`)."""
-        if self.slots[s.slot] is not s:
-            return
-        if s.history_refills:
-            self._refill_history(s)
-        elif (s.comeback is not None and s.draft is None and self.num_running == 1
-              and self.governor.returns_to(LOOKUP_POOL, s.comeback.recent)):
-            name, draft = s.comeback_to
-            s.comeback = s.comeback_to = None
-            self._move_to_lookup(s, name, draft)
+        """After a plain call's tokens were committed for a row still running alone and watched (`_watch_lookup`):
+        the move (back) to lookup where the governor prices lookup's replayed rounds below plain decoding
+        (`SpeculationGovernor.returns_to`)."""
+        if (s.comeback is not None and s.draft is None and self.slots[s.slot] is s and self.num_running == 1
+                and self.governor.returns_to(LOOKUP_POOL, s.comeback.recent)):
+            self._move_to_lookup(s, *s.comeback_to)
 
     def _observe_round(self, spec_rows: list[SlotState], result, running: int, seconds: float | None) -> None:
         """The governor's sample of a round: `seconds` charged to its speculative tokens (None: no sample). A round
@@ -1326,7 +1322,7 @@ class DecodeEngine:
             replayed = s.shadow.extend(kept)
             if replayed:
                 self.governor.observe_tokens(s.shadow_name, LOOKUP_POOL, replayed)
-        if s.comeback is not None and kept:
+        if s.comeback is not None and s.comeback is not s.shadow and kept:
             s.comeback.extend(kept)
         if new_tokens:
             s.pending = new_tokens[-1]
@@ -1335,6 +1331,8 @@ class DecodeEngine:
             text += s.text_stream.flush()
         if finished:
             self.slots[s.slot] = None
+        elif s.history_refills:
+            self._refill_history(s)  # a row moved to lookup (`_move_to_lookup`): its history from the host
         return RequestOutput(
             request_id=s.request.request_id,
             token_ids=kept,
