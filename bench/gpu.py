@@ -20,7 +20,9 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 --lookup 5,8 adds rows whose requests name an n-gram lookup drafter (`engine.lookup`; no
 weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
 at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
-alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`).
+alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
+`--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
+tokens that followed the match), side by side.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
 with --gammas-overlapped, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
@@ -292,8 +294,9 @@ class Bench:
                    lookup_alternative=False, lookup_replay=False) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
-        n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`), priced from
-        replays of it over greedy requests with `lookup_replay` (`DecodeEngine(lookup_replay=...)`)."""
+        n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
+        `LookupDraft` here: that one), priced from replays of it over greedy requests with `lookup_replay`
+        (`DecodeEngine(lookup_replay=...)`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay)
         row.warm()
@@ -448,9 +451,10 @@ class EngineRow:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
             if lookup_alternative:
-                from engine.lookup import add_lookup_alternative
+                from engine.lookup import LookupDraft, add_lookup_alternative
 
-                add_lookup_alternative(self.eng, drafts)
+                add_lookup_alternative(self.eng, drafts, draft=lookup_alternative
+                                       if isinstance(lookup_alternative, LookupDraft) else None)
         self.names = [d if drafts else None for d in domains]
         self.params = [SamplingParams(max_new_tokens=new, temperature=0.0 if greedy else 1.0,
                                       seed=None if greedy else 1000 + i, eos_token_ids=()) for i in range(len(prompts))]
@@ -729,6 +733,19 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                          f"overlapped{suffix}",
                          lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
                                                   overlap=True, lookup_alternative=True, lookup_replay=True)))
+    if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
+        old = {domain: LookupDraft(min_n=2, gammas={}, repeat=False) for domain in DOMAINS}
+        rows += [(f"FlashSpec lookup, gamma {top}, overlapped, rule before the repeat{suffix}",
+                  lambda: bench.engine_row(*workload, old, block=top, gamma=top, reference=ref, overlap=True)),
+                 (f"FlashSpec lookup, gamma {top}, governor, overlapped, rule before the repeat{suffix}",
+                  lambda: bench.engine_row(*workload, old, block=top, gamma=top, governor=True, reference=ref,
+                                           overlap=True))]
+        if best:
+            rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                         f"rule before the repeat{suffix}",
+                         lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True,
+                                                  reference=ref, overlap=True,
+                                                  lookup_alternative=LookupDraft(min_n=2, repeat=False))))
     return rows
 
 
@@ -944,6 +961,10 @@ def main() -> None:
     parser.add_argument("--lookup", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="rows whose requests name an n-gram lookup drafter (engine.lookup.LookupDraft) at these "
                              "gammas, alone and overlapped, and at the largest with the governor, e.g. 5,8")
+    parser.add_argument("--lookup-before-repeat", action="store_true",
+                        help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
+                             "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
+                             "repeat=False)), side by side")
     parser.add_argument("--lookup-replay", action="store_true",
                         help="with --lookup: also the service's setting with lookup priced from replays (DecodeEngine("
                              "lookup_replay=True)), to measure what they do")

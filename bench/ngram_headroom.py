@@ -37,15 +37,19 @@ from bench.draft_temperature import replies_parser, target_replies
 from bench.tree_headroom import simulate_tree_rounds, verified_step
 
 
-def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 2) -> list[int]:
-    """Up to gamma tokens that followed the most recent earlier occurrence of the last n tokens (n = max_n
-    down to min_n, the longest that occurs); [] where none occurs."""
+def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1, repeat: bool = True) -> list[int]:
+    """The gamma tokens that followed the most recent earlier occurrence of the last n tokens (n = max_n down
+    to min_n, the longest that occurs), repeated with their period where they reach the end of `tokens`
+    (`repeat=False`: only those that followed, up to gamma); [] where none occurs."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
         for start in range(length - n - 1, -1, -1):  # the most recent first; never the suffix itself
             if tokens[start:start + n] == suffix:
-                return tokens[start + n:start + n + gamma]
+                follow = start + n
+                if not repeat:
+                    return tokens[follow:follow + gamma]
+                return [tokens[follow + k % (length - follow)] for k in range(gamma)]
     return []
 
 
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = replies_parser(__doc__.splitlines()[0], "greedy reply tokens per prompt")
     parser.add_argument("--gamma", type=int, default=5, help="tokens a round drafts or looks up")
     parser.add_argument("--max-n", type=int, default=3)
-    parser.add_argument("--min-n", type=int, default=2)
+    parser.add_argument("--min-n", type=int, default=1)
     parser.add_argument("--shape", choices=("long", "request"), default="long")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="above 0: replies sampled at it, and a lookup round's expected tokens at every position "
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.gamma < 1 or not 1 <= args.min_n <= args.max_n:
         raise SystemExit(f"--gamma {args.gamma} --min-n {args.min_n} --max-n {args.max_n}: give gamma >= 1 and "
-                         "1 <= min-n <= max-n, e.g. --gamma 5 --min-n 2 --max-n 3")
+                         "1 <= min-n <= max-n, e.g. --gamma 5 --min-n 1 --max-n 3")
     from bench.gpu import load_drafts
     from engine.loading import load_model
 

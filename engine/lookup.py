@@ -1,9 +1,12 @@
 """N-gram lookup proposals on the device: a drafter without weights.
 
-After a request's last n tokens, propose the tokens that followed the most recent earlier occurrence of those
-n tokens in its own history (prompt and reply so far), for the longest n from max_n down to min_n that
-occurred; nothing where none did. Verified like any draft, so the output is the target's (greedy: the same
-tokens; sampled: a proposal is a draft distribution that puts all its mass on one token).
+After a request's last n tokens, propose the gamma tokens that followed the most recent earlier occurrence of
+those n tokens in its own history (prompt and reply so far), for the longest n from max_n down to min_n that
+occurred; nothing where none did. Where the tokens that followed reach the end of the history (the match is
+less than gamma tokens back), the proposal goes on repeating them: a run that repeats with period p proposes
+its next gamma tokens, not just the p it has seen (what proposing again after those p would give). Verified
+like any draft, so the output is the target's (greedy: the same tokens; sampled: a proposal is a draft
+distribution that puts all its mass on one token).
 
 `propose` does it for a batch of rows at once with fixed shapes and no host synchronization, so it can run
 inside a captured CUDA graph, and each round's proposals can come from the round before without the host.
@@ -19,16 +22,18 @@ import torch
 from engine import triton_kernels
 
 
-def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int = 3,
-            min_n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int = 3, min_n: int = 1,
+            repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """history (b, S) token ids, row i's tokens in history[i, :lengths[i]] (the rest is ignored); lengths (b,)
-    -> (proposals (b, gamma), counts (b,)): row i proposes proposals[i, :counts[i]], the tokens that followed
-    the most recent earlier occurrence of its last n tokens (the longest n in max_n .. min_n that occurred, up
-    to gamma tokens and never past its length); counts[i] == 0 where none occurred (proposals[i] then
-    undefined). The same as `bench.ngram_headroom.ngram_lookup` on each row."""
+    -> (proposals (b, gamma), counts (b,)): row i proposes proposals[i, :counts[i]], the gamma tokens that
+    followed the most recent earlier occurrence of its last n tokens (the longest n in max_n .. min_n that
+    occurred), repeated with their period where they reach the row's length; counts[i] == 0 where none
+    occurred (proposals[i] then undefined), else gamma. `repeat=False`: the rule before the repeat, only the
+    tokens that followed, never past the row's length (counts up to gamma). The same as
+    `bench.ngram_headroom.ngram_lookup` on each row."""
     if gamma < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
-    fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n)  # one launch on the GPU
+    fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)  # one launch on the GPU
     if fast is not None:
         return fast
     b, s = history.shape
@@ -48,9 +53,11 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
         take = (last >= 0) & ~found  # the longest n that occurred wins
         follow = torch.where(take, last + n, follow)
         found = found | take
-    offsets = torch.arange(gamma, device=history.device)
+    offsets = torch.arange(gamma, device=history.device)[None]
+    if repeat:
+        offsets = offsets % (lengths - follow).clamp(min=1)[:, None]  # the period: from the match's end to the row's
     proposals = history.gather(1, (follow[:, None] + offsets).clamp(max=s - 1))
-    counts = torch.where(found, (lengths - follow).clamp(min=0, max=gamma), 0)
+    counts = torch.where(found, gamma if repeat else (lengths - follow).clamp(min=0, max=gamma), 0)
     return proposals, counts
 
 
@@ -68,13 +75,14 @@ class LookupShadow:
     token after it. `extend` takes a request's new tokens and returns the tokens each round completed by them
     made. The governor prices lookup from these (`SpeculationGovernor.observe_tokens`): every greedy request of a
     domain tells what lookup would make of it, while only the requests that ran lookup would measure it. The
-    shadow does not see tokens a real round accepts past the proposal's `counts` (the buffer's stale tail
-    matching by chance), so it may understate lookup by those. An n-gram index per n keeps it O(1) a token."""
+    shadow does not see tokens a real round accepts where nothing occurred (`counts` 0: whatever the proposal
+    holds matching by chance), so it may understate lookup by those. An n-gram index per n keeps it O(1) a token."""
 
-    def __init__(self, prompt_ids: list[int], gamma: int, max_n: int = 3, min_n: int = 2, window: int = 32) -> None:
+    def __init__(self, prompt_ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1, window: int = 32,
+                 repeat: bool = True) -> None:
         if gamma < 1 or not 1 <= min_n <= max_n:
             raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
-        self.gamma, self.max_n, self.min_n = gamma, max_n, min_n
+        self.gamma, self.max_n, self.min_n, self.repeat = gamma, max_n, min_n, repeat
         self.seq = list(prompt_ids)
         self.start = len(self.seq) + 1  # the first round's history: the prompt and the prefill's token
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
@@ -103,7 +111,9 @@ class LookupShadow:
             at = index.get(tuple(seq[length - n:length]))
             if at is not None:
                 follow = at + n
-                return seq[follow:follow + min(self.gamma, length - follow)]
+                if not self.repeat:
+                    return seq[follow:follow + min(self.gamma, length - follow)]
+                return [seq[follow + k % (length - follow)] for k in range(self.gamma)]
         return []
 
     def extend(self, tokens: list[int]) -> list[int]:
@@ -146,22 +156,28 @@ class LookupDraft:
     `gammas`: the tokens a greedy lookup round proposes, by batch-size bucket (1, 2, 4, ...), where it differs from
     the engine's gamma (default `DEFAULT_GAMMAS`; `{}`: the engine's at every batch size). The engine caps it at
     its cache margin (`DecodeEngine.lookup_gamma`). Sampled rounds take the engine's gamma: a seeded request's
-    draws must not depend on its batch."""
+    draws must not depend on its batch. `max_n`, `min_n`, `repeat`: the rule (`propose`)."""
 
     shared_layers = 0
     adapter_layers = 0
     feature_input = "none"
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, max_n: int = 3, min_n: int = 2, gammas: dict[int, int] | None = None) -> None:
+    def __init__(self, max_n: int = 3, min_n: int = 1, gammas: dict[int, int] | None = None,
+                 repeat: bool = True) -> None:
         if not 1 <= min_n <= max_n:
-            raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=2")
+            raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=1")
         gammas = dict(DEFAULT_GAMMAS if gammas is None else gammas)
         bad = {b: g for b, g in gammas.items()
                if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0 and g >= 1)}
         if bad:
             raise ValueError(f"lookup gammas {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma >= 1}}, e.g. {{1: 8}}")
-        self.max_n, self.min_n, self.gammas = max_n, min_n, gammas
+        self.max_n, self.min_n, self.gammas, self.repeat = max_n, min_n, gammas, repeat
+
+    @property
+    def rule(self) -> tuple[int, int, bool]:
+        """(max_n, min_n, repeat): `propose`'s settings."""
+        return self.max_n, self.min_n, self.repeat
 
     def gamma_at(self, bucket: int, default: int) -> int:
         """A greedy round's gamma at this batch-size bucket (`default`: the engine's)."""
@@ -171,17 +187,17 @@ class LookupDraft:
         return []
 
     def __repr__(self) -> str:
-        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas})"
+        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas}, repeat={self.repeat})"
 
 
 def is_lookup(draft) -> bool:
     return isinstance(draft, LookupDraft)
 
 
-def add_lookup_alternative(eng, names, name: str = "lookup") -> None:
-    """Register the lookup drafter under `name` and make it the alternative of each draft in `names`
-    (`DecodeEngine.set_alternatives`), as the service's `lookup_alternative` does."""
-    eng.add_draft(name, LookupDraft())
+def add_lookup_alternative(eng, names, name: str = "lookup", draft: LookupDraft | None = None) -> None:
+    """Register the lookup drafter (`draft`, default `LookupDraft()`) under `name` and make it the alternative of
+    each draft in `names` (`DecodeEngine.set_alternatives`), as the service's `lookup_alternative` does."""
+    eng.add_draft(name, draft or LookupDraft())
     for draft in names:
         eng.set_alternatives(draft, [name])
 
@@ -216,8 +232,8 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     whatever was proposed, so a row with nothing to propose verifies whatever its buffer held, at no risk.
     A sampled round takes the draws a draft's round of this gamma takes (2 gamma + 1: the verifier's are the
     last gamma + 1), so a seeded request's streams move alike whichever drafter served it. With graphs it is
-    one CUDA graph per (batch bucket, row layout, kv bucket, gamma, n, sampling kind). The batch's rows look up
-    with its first row's n (drafters registered with other n settings share a round that way)."""
+    one CUDA graph per (batch bucket, row layout, kv bucket, gamma, rule, sampling kind). The batch's rows look up
+    with its first row's rule (drafters registered with other settings share a round that way)."""
     from engine.cache import row_index
     from engine.sampling import advance, needs_filters, param_tensors, processed_probs, stream_state, uniform_at
     from engine.verify import verify_greedy, verify_sampled
@@ -240,7 +256,7 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
 
     def fn(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
         history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
-        proposals, _ = propose(history, pos0 + 1, gamma, draft.max_n, draft.min_n)
+        proposals, _ = propose(history, pos0 + 1, gamma, *draft.rule)
         tokens = torch.cat([pending[:, None], proposals], dim=1)  # (b, gamma + 1)
         logits = model(tokens, pos0[:, None] + steps[None], cache=eng.cache, rows=rows, kv_len=kv_len).logits
         if greedy:
@@ -257,7 +273,7 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
         (packed,) = fn(**inputs)
     else:
         kind = "greedy" if greedy else ("sampled", filtered)
-        (packed,) = eng.run_graph(("lookup-round", kind, kv_len, gamma, draft.max_n, draft.min_n), fn, rows, inputs)
+        (packed,) = eng.run_graph(("lookup-round", kind, kv_len, gamma, *draft.rule), fn, rows, inputs)
     if not greedy:
         advance([s.random for s in slots], n_draws)
     return packed, pos0

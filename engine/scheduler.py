@@ -581,7 +581,7 @@ class DecodeEngine:
                     return
                 ids = list(req.prompt_ids) + s.output_ids
                 s.comeback = LookupShadow(ids[:-1] if s.output_ids else ids, self.lookup_gamma(draft, 1), draft.max_n,
-                                          draft.min_n)
+                                          draft.min_n, repeat=draft.repeat)
                 if s.output_ids:
                     s.comeback.extend(ids[-1:])  # the pending token: the next round's history ends with it
                 return
@@ -863,7 +863,8 @@ class DecodeEngine:
             return
         for name, draft in self._candidates(req)[1:]:
             if is_lookup(draft):
-                s.shadow = LookupShadow(req.prompt_ids, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n)
+                s.shadow = LookupShadow(req.prompt_ids, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n,
+                                        repeat=draft.repeat)
                 s.shadow_name = governed(req, name)
                 return
 

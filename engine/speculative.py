@@ -514,7 +514,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
         ar = torch.arange(pending.shape[0], device=pending.device)
         if lookup is not None:  # the lookup rows' proposals, from each row's tokens up to its pending one
             history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
-            proposals, _ = propose(history, pos0 + 1, gamma, lookup.max_n, lookup.min_n)
+            proposals, _ = propose(history, pos0 + 1, gamma, *lookup.rule)
             looks = which == len(order)
         for j in range(gamma + 1):
             positions = (pos0 + j)[:, None]  # (bucket, 1)
@@ -580,7 +580,7 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
             eng.store_deep_round(rows_t, pos0, trunks, feats, res.num_accepted)
         return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], drafted], dim=1),)
 
-    looked = None if lookup is None else (lookup.max_n, lookup.min_n)
+    looked = None if lookup is None else lookup.rule
     key = ("greedy-round" if greedy else ("sampled-round", filtered), len(order), kv_len, gamma, capture) + (
         (("lookup", *looked),) if looked else ())
     (packed,) = eng.run_graph(key, round_all, rows, inputs, owners=tuple(ids))

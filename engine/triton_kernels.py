@@ -324,9 +324,10 @@ def _kernels():
     @triton.jit
     def lookup_propose_kernel(H, LEN, PROP, COUNT, S, shb, shs, slb, gamma,
                               MAX_N: tl.constexpr, MIN_N: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              REPEAT: tl.constexpr = True, PDL: tl.constexpr = False):
         """One program per row: the most recent earlier occurrence of its last n tokens, for n from MAX_N down to
-        MIN_N (the longest that occurred wins), and the up to gamma tokens that followed it."""
+        MIN_N (the longest that occurred wins), and the gamma tokens that followed it (repeated with their period
+        where they reach the row's length)."""
         if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -349,9 +350,15 @@ def _kernels():
             take = (best >= 0) & (found == 0)
             follow = tl.where(take, best + (MAX_N - k), follow)
             found = found | take
-        g = tl.arange(0, GP)
-        tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(follow + g, S - 1) * shs), mask=g < gamma)
-        tl.store(COUNT + r, tl.where(found, tl.minimum(tl.maximum(length - follow, 0), gamma), 0))
+        g = tl.arange(0, GP).to(tl.int64)
+        if REPEAT:  # where the tokens that followed reach the end, they repeat with their period
+            at = follow + g % tl.maximum(length - follow, 1)
+            count = gamma + length * 0
+        else:
+            at = follow + g
+            count = tl.minimum(tl.maximum(length - follow, 0), gamma)
+        tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(at, S - 1) * shs), mask=g < gamma)
+        tl.store(COUNT + r, tl.where(found, count, 0))
 
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
@@ -494,8 +501,8 @@ def step_context(rope_cos: torch.Tensor, rope_sin: torch.Tensor, input_pos: torc
 LOOKUP_BLOCK = 1024  # history positions a program of lookup_propose compares at once
 
 
-def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int,
-                   min_n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int, min_n: int,
+                   repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`engine.lookup.propose` in one launch, the same tensors bit for bit: (proposals (b, gamma) of history's
     dtype, counts (b,) int64). In torch it is about 20 small kernels for each n (shifted comparisons, a masked
     maximum, gathers), each a node of a lookup round's graph. None for calls it does not serve."""
@@ -508,7 +515,7 @@ def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max
     counts = torch.empty(b, device=history.device, dtype=torch.int64)
     if b:
         _kernels().lookup_propose[(b,)](history, lengths, proposals, counts, s, *history.stride(), lengths.stride(0),
-                                        gamma, MAX_N=max_n, MIN_N=min_n, BLOCK=LOOKUP_BLOCK,
+                                        gamma, MAX_N=max_n, MIN_N=min_n, BLOCK=LOOKUP_BLOCK, REPEAT=repeat,
                                         GP=max(2, 1 << (gamma - 1).bit_length()), num_warps=4, **pdl(history))
     return proposals, counts
 

@@ -343,3 +343,34 @@ def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tin
     row.timed_pass()
     assert row.eng.lookup_replay and row.gov.snapshot()["pooled_rounds"]["code/lookup"] > ran_lookup  # every request's
     assert [o.token_ids for o in row.outs] == [o.token_ids for o in plain]
+
+
+def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target):
+    """--lookup-before-repeat: the largest gamma's lookup rows, alone and in the service's setting, again with the
+    rule before the repeat (n 3 else 2, only the tokens that followed), with plain decoding's tokens."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4),
+                                    lookup_before_repeat=True)
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 10, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    old = [name for name in rows if "rule before the repeat" in name]
+    assert old == ["FlashSpec lookup, gamma 4, overlapped, rule before the repeat",
+                   "FlashSpec lookup, gamma 4, governor, overlapped, rule before the repeat",
+                   "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                   "rule before the repeat"]
+    alone, new = rows[old[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
+    assert alone.eng.drafts["code"].rule == (3, 2, False) and new.eng.drafts["code"].rule == (3, 1, True)
+    service = rows[old[2]]()
+    assert service.eng.drafts["lookup"].rule == (3, 2, False)
+    for row in (alone, new, service):
+        row.timed_pass()
+    assert [o.token_ids for o in alone.outs] == [o.token_ids for o in new.outs] == [o.token_ids for o in service.outs]
+    assert sum(o.stats.rounds for o in alone.outs) > sum(o.stats.rounds for o in new.outs)  # the repeat: fewer rounds

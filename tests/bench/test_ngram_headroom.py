@@ -13,19 +13,22 @@ from drafts.model import DraftModel
 def test_lookup_takes_the_longest_suffix_that_occurred_before_at_its_most_recent_place():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # "1 2 3" last seen before 7
     assert ngram_lookup([5, 2, 3, 8, 6, 2, 3], 4) == [8, 6, 2, 3]  # "2 3" (no earlier "6 2 3")
-    assert ngram_lookup([4, 5, 6, 5], 3) == []  # only "5" recurs: shorter than min_n 2
-    assert ngram_lookup([4, 5, 6, 5], 3, min_n=1) == [6, 5]
-    assert ngram_lookup([1, 2, 1, 2], 5) == [1, 2]  # what there is after the match, up to gamma
-    assert ngram_lookup([3, 3, 3], 2) == [3]  # the suffix itself never counts as its own earlier occurrence
+    assert ngram_lookup([4, 5, 6, 5], 3, min_n=2) == []  # only "5" recurs: shorter than min_n 2
+    assert ngram_lookup([4, 5, 6, 5], 3) == [6, 5, 6]  # min_n 1 by default; "6 5" then repeats with its period
+    assert ngram_lookup([1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # what follows the match reaches the end: repeated
+    assert ngram_lookup([3, 3, 3], 2) == [3, 3]  # the suffix itself never counts as its own earlier occurrence
     assert ngram_lookup([7], 3) == [] and ngram_lookup([], 3) == []
 
 
 def test_lookup_rounds_over_a_repeating_reply_and_plain_steps_where_nothing_recurs():
     seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1]  # prompt [1, 2, 3, 4], reply from index 4 on
-    got = play_lookup([seq], [4], lambda toks: ngram_lookup(toks, 3))
+    got = play_lookup([seq], [4], lambda toks: ngram_lookup(toks, 3, min_n=2))
     # t=4 (context 1 2 3 4 1): neither "3 4 1" nor "4 1" occurred before, a plain step; t=5: "1 2" at 0 ->
     # [3, 4, 1], all kept, +4 (t=9); t=9: "4 1 2" at 3 -> [3, 4, 1], the last 3 tokens of the reply (t=12)
     assert got == {"lookup_rounds": 2, "lookup_tokens": 7, "plain_steps": 1, "tokens": 8}
+    # min_n 1: at t=4 "1" occurred at 0 -> [2, 3, 4], all kept (t=8); t=8: "3 4 1" at 2 -> [2, 3, 4] (t=12)
+    got = play_lookup([seq], [4], lambda toks: ngram_lookup(toks, 3))
+    assert got == {"lookup_rounds": 2, "lookup_tokens": 8, "plain_steps": 0, "tokens": 8}
     fresh = play_lookup([[9, 8, 7, 6, 5, 4, 3]], [2], lambda toks: ngram_lookup(toks, 3))
     assert fresh == {"lookup_rounds": 0, "lookup_tokens": 0, "plain_steps": 4, "tokens": 4}
     wrong = play_lookup([[1, 2, 3, 1, 2, 5, 6]], [3], lambda toks: ngram_lookup(toks, 2))  # [3, 1] proposed, 5 comes
@@ -59,7 +62,7 @@ def test_a_draft_s_simulated_rounds_give_way_to_lookup_rounds_where_lookup_propo
 def test_expected_tokens_of_a_lookup_round_are_the_products_of_the_target_s_probabilities(tiny):
     target = tiny.tiny_vocab_target(8, num_layers=2, seed=3)
     seqs, starts = [[1, 2, 3, 1, 2, 5, 1, 2]], [4]
-    lookup = lambda toks: ngram_lookup(toks, 2)  # noqa: E731
+    lookup = lambda toks: ngram_lookup(toks, 2, min_n=2)  # noqa: E731
     got = expected_lookup_tokens(target, seqs, starts, lookup, temperature=1.0, batch=2)
     # positions t = 4..6: "3 1 2"? no; t=4 context 1 2 3 1 2 -> "1 2" at 0 -> [3, 1]; t=5 (... 2 5): none;
     # t=6 (... 5 1): "5 1"? no, "1"? below min_n 2 -> none

@@ -1068,8 +1068,8 @@ def test_prefill_graphs_give_the_eager_prefill_s_tokens(target, monkeypatch, sam
 def _lookup_engine(target, graphs, overlap=False, extra=None, **kw):
     from engine.lookup import LookupDraft
 
-    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs,
-                       overlap=overlap, **kw)
+    kw.setdefault("max_seq_len", 128)
+    eng = DecodeEngine(target, None, max_batch_size=4, spec=SpecConfig(5, 5), cuda_graphs=graphs, overlap=overlap, **kw)
     eng.add_draft("lookup", LookupDraft())
     for name, draft in (extra or {}).items():
         eng.add_draft(name, draft)
@@ -1107,8 +1107,8 @@ def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decod
         assert outs[0].stats.rounds and outs[1].stats.rounds and not (outs[2].stats and outs[2].stats.rounds)
         if graphs:  # the lookup rows beside the draft's rows: one captured round, one verify pass for both kinds
             keys = list(eng.graphs.graphs)
-            assert any(k[0] == "greedy-round" and ("lookup", 3, 2) in k for k in keys), keys
-            both = [k for k in keys if k[0] == "greedy-round" and ("lookup", 3, 2) in k]
+            assert any(k[0] == "greedy-round" and ("lookup", 3, 1, True) in k for k in keys), keys
+            both = [k for k in keys if k[0] == "greedy-round" and ("lookup", 3, 1, True) in k]
             assert both and all(k[1] == 1 for k in both)  # one draft in the graph; the lookup drafter is none
 
 
@@ -1210,8 +1210,8 @@ def test_a_lone_request_dropped_from_lookup_comes_back_once_its_replayed_rounds_
     from engine.lookup import LOOKUP_POOL, LookupDraft
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
-    prompt, new = [1, 2, 3, 4], 240
-    want = generate(DecodeEngine(small, None, max_batch_size=2, max_seq_len=300), [prompt],
+    prompt, new = [1, 2, 3, 4], 400  # a run of one token: lookup rounds make gamma + 1 tokens from the second on
+    want = generate(DecodeEngine(small, None, max_batch_size=2, max_seq_len=420), [prompt],
                     SamplingParams(max_new_tokens=new, eos_token_ids=()))[0].token_ids
     gov = SpeculationGovernor(min_samples=2)
     for _ in range(16):  # plain decoding 10 ms a token, a lookup round 12 ms, at batch 1
@@ -1220,7 +1220,7 @@ def test_a_lone_request_dropped_from_lookup_comes_back_once_its_replayed_rounds_
     gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings change nothing
     asked = []
     gov.keep_speculating = lambda *args: asked.append(1) or len(asked) > 1  # dropped the first time
-    eng = DecodeEngine(small, None, max_batch_size=2, max_seq_len=300, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+    eng = DecodeEngine(small, None, max_batch_size=2, max_seq_len=420, spec=SpecConfig(5, 5), cuda_graphs=graphs,
                        overlap=overlap, governor=gov)
     eng.add_draft("lookup", LookupDraft())
     out = generate(eng, [prompt], SamplingParams(max_new_tokens=new, eos_token_ids=()), "lookup")[0]
@@ -1244,9 +1244,9 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     from engine.governor import SpeculationGovernor
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
-    prompts = [[2, 6, 1, 7]]  # greedily: lookup 2.1 tokens a round; the draft below 2.6
-    params = SamplingParams(max_new_tokens=110, eos_token_ids=())
-    want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=128), prompts, params)[0].token_ids
+    prompts = [[2, 6, 1, 7]]  # greedily: a reply that ends in a run of one token
+    params = SamplingParams(max_new_tokens=300, eos_token_ids=())  # lookup's replay reaches its 32 rounds' window
+    want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=320), prompts, params)[0].token_ids
 
     def run(lookup_round: float, params=params, replay=True):
         gov = SpeculationGovernor(min_samples=2)
@@ -1257,7 +1257,7 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
             gov.observe_pool("lookup", 1, lookup_round, 1)
         gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings aside
         eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov,
-                             **({"lookup_replay": True} if replay else {}))
+                             max_seq_len=320, **({"lookup_replay": True} if replay else {}))
         eng.set_alternatives("d", ["lookup"])
         return generate(eng, prompts, params, "d")[0], gov
 

@@ -27,39 +27,55 @@ def _rows(seed: int, count: int, width: int) -> list[list[int]]:
     return rows
 
 
-@pytest.mark.parametrize("gamma,max_n,min_n", [(5, 3, 2), (3, 3, 1), (4, 2, 2), (1, 4, 1)])
-def test_every_row_gets_the_reference_rule_s_proposal(gamma, max_n, min_n):
+def test_a_continuation_that_reaches_the_end_repeats_with_its_period():
+    """The match is p < gamma tokens back: the tokens after it are the last p, and the proposal repeats them
+    (what lookup would propose again after accepting them), here and in the reference."""
+    toks = [9, 3, 1, 2, 3, 1, 2, 3]  # "1 2 3" last occurred 3 tokens back: period 3
+    history = torch.tensor([toks + [0] * 4])
+    proposals, counts = propose(history, torch.tensor([len(toks)]), 7)
+    assert counts.tolist() == [7] and proposals[0].tolist() == [1, 2, 3, 1, 2, 3, 1] == ngram_lookup(toks, 7)
+    assert LookupShadow(toks, 7).propose(len(toks)) == [1, 2, 3, 1, 2, 3, 1]
+    proposals, counts = propose(history, torch.tensor([len(toks)]), 7, repeat=False)  # the rule before the repeat
+    assert counts.tolist() == [3] and proposals[0, :3].tolist() == [1, 2, 3] == ngram_lookup(toks, 7, repeat=False)
+    assert LookupShadow(toks, 7, repeat=False).propose(len(toks)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("repeat", [True, False])
+@pytest.mark.parametrize("gamma,max_n,min_n", [(5, 3, 2), (3, 3, 1), (4, 2, 2), (1, 4, 1), (8, 3, 1)])
+def test_every_row_gets_the_reference_rule_s_proposal(gamma, max_n, min_n, repeat):
     width = 40
     rows = _rows(gamma * 10 + max_n + min_n, 64, width)
     history = torch.full((len(rows), width + 8), 99)  # past each row's length: tokens that must not count
     for i, toks in enumerate(rows):
         history[i, :len(toks)] = torch.tensor(toks, dtype=torch.long)
     lengths = torch.tensor([len(t) for t in rows])
-    proposals, counts = propose(history, lengths, gamma, max_n, min_n)
+    proposals, counts = propose(history, lengths, gamma, max_n, min_n, repeat)
     for i, toks in enumerate(rows):
-        want = ngram_lookup(toks, gamma, max_n, min_n)
+        want = ngram_lookup(toks, gamma, max_n, min_n, repeat)
         assert proposals[i, :counts[i]].tolist() == want, (toks, want)
     assert (counts > 0).any() and (counts == 0).any()  # both kinds of rows are in the sample
 
 
 def test_it_runs_inside_a_graph_shaped_call_and_refuses_bad_settings():
-    history = torch.tensor([[1, 2, 3, 1, 2, 0, 0], [4, 4, 4, 4, 0, 0, 0]])
-    proposals, counts = propose(history, torch.tensor([5, 4]), 3)
-    assert proposals.shape == (2, 3) and counts.tolist() == [3, 1]
-    assert proposals[0].tolist() == [3, 1, 2] and proposals[1, :1].tolist() == [4]
+    history = torch.tensor([[1, 2, 3, 1, 2, 0, 0], [4, 4, 4, 4, 0, 0, 0], [7, 1, 8, 2, 1, 0, 0], [5, 6, 0, 0, 0, 0, 0]])
+    proposals, counts = propose(history, torch.tensor([5, 4, 5, 2]), 3)
+    assert proposals.shape == (4, 3) and counts.tolist() == [3, 3, 3, 0]
+    assert proposals[0].tolist() == [3, 1, 2]  # "1 2" occurred: what followed it
+    assert proposals[1].tolist() == [4, 4, 4]  # a run: its one token, repeated, not just the one seen after "4 4 4"
+    assert proposals[2].tolist() == [8, 2, 1]  # no 3- or 2-gram occurred; the last token alone did
     with pytest.raises(ValueError, match="gamma"):
         propose(history, torch.tensor([5, 4]), 0)
     with pytest.raises(ValueError, match="min_n"):
         propose(history, torch.tensor([5, 4]), 2, max_n=1, min_n=2)
 
 
-def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int) -> list[int]:
+def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int, repeat: bool = True) -> list[int]:
     """The reference: lookup rounds over a known greedy reply seq[start:] (seq[start] the prefill's token), each
     `ngram_lookup` over the history up to the pending token, then the reply's matching prefix and its next token;
     a round whose outcome the reply does not settle yet (it matches to its end) is not counted."""
     made, t = [], start
     while True:
-        proposal = ngram_lookup(seq[:t + 1], gamma, max_n, min_n)
+        proposal = ngram_lookup(seq[:t + 1], gamma, max_n, min_n, repeat)
         accepted = 0
         while accepted < len(proposal) and t + 1 + accepted < len(seq) and seq[t + 1 + accepted] == proposal[accepted]:
             accepted += 1
@@ -69,8 +85,9 @@ def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int) ->
         t += accepted + 1
 
 
-@pytest.mark.parametrize("gamma,max_n,min_n", [(5, 3, 2), (3, 3, 1), (8, 2, 2)])
-def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come_in(gamma, max_n, min_n):
+@pytest.mark.parametrize("gamma,max_n,min_n,repeat", [(5, 3, 2, True), (3, 3, 1, True), (8, 2, 2, True), (8, 3, 1, True),
+                                                      (5, 3, 2, False), (8, 3, 1, False)])
+def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come_in(gamma, max_n, min_n, repeat):
     """LookupShadow over a request's tokens as they come (a prefill's token, then rounds' and steps' of any length)
     makes the rounds the reference rule makes over the whole reply, each as soon as the tokens settle it."""
     rng = random.Random(gamma)
@@ -78,13 +95,13 @@ def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come
         if len(row) < 4:
             continue
         prompt_len = rng.randint(1, len(row) - 2)
-        shadow = LookupShadow(row[:prompt_len], gamma, max_n, min_n)
+        shadow = LookupShadow(row[:prompt_len], gamma, max_n, min_n, repeat=repeat)
         got, at = [], prompt_len
         while at < len(row):
             chunk = rng.randint(1, gamma + 1)
             got += shadow.extend(row[at:at + chunk])
             at += chunk
-            assert got == _replayed(row[:at], prompt_len, gamma, max_n, min_n)
+            assert got == _replayed(row[:at], prompt_len, gamma, max_n, min_n, repeat)
         assert shadow.rounds == len(got) and shadow.tokens == sum(got) and list(shadow.recent) == got[-32:]
     with pytest.raises(ValueError, match="gamma"):
         LookupShadow([1, 2], 0)

@@ -442,15 +442,16 @@ def torch_propose(*args):
 for b, s, vocab in ((3, 40, 4), (5, 1500, 3), (2, 7, 2)):  # few distinct tokens: n-grams recur, some rows find none
     history = torch.randint(0, vocab, (b, s))
     for lengths in (torch.randint(0, s + 1, (b,)), torch.full((b,), s), torch.tensor([1, 2] + [3] * (b - 2))):
-        for gamma, max_n, min_n in ((5, 3, 2), (1, 1, 1), (8, 4, 1), (3, 2, 2)):
+        for gamma, max_n, min_n, repeat in ((5, 3, 2, True), (1, 1, 1, True), (8, 4, 1, True), (3, 2, 2, True),
+                                            (8, 3, 1, False), (5, 3, 2, False)):
             for rows in (history, history[1:], history[:, : s - 1]):  # whole, a slice of rows, a strided view
                 n = lengths[: rows.shape[0]].clamp(max=rows.shape[1])
-                fast = triton_kernels.lookup_propose(rows, n, gamma, max_n, min_n)
-                ref = torch_propose(rows, n, gamma, max_n, min_n)
+                fast = triton_kernels.lookup_propose(rows, n, gamma, max_n, min_n, repeat)
+                ref = torch_propose(rows, n, gamma, max_n, min_n, repeat)
                 assert fast is not None and all(torch.equal(f, r) for f, r in zip(fast, ref)), (b, s, gamma, max_n)
                 assert fast[0].dtype == ref[0].dtype and fast[1].dtype == ref[1].dtype
 assert lookup.propose(torch.tensor([[1, 2, 9, 1, 2]]), torch.tensor([5]), 3)[1].tolist() == [3]  # found: "9 1 2"
-assert triton_kernels.lookup_propose(history, lengths, 0, 3, 2) is None  # what it does not serve: torch's path
+assert triton_kernels.lookup_propose(history, lengths, 0, 3, 1) is None  # what it does not serve: torch's path
 print("ok")
 """
 

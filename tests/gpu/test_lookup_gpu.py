@@ -10,6 +10,25 @@ from engine.lookup import propose
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def test_the_one_launch_proposer_gives_the_torch_rule_s_proposals_on_the_gpu():
+    """triton_kernels.lookup_propose against `propose`'s torch rule, both rules (repeat or not), n 3..1 and 3..2."""
+    from engine import triton_kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for vocab in (3, 6):
+        history = torch.randint(0, vocab, (8, 1500), device="cuda", generator=gen)
+        lengths = torch.randint(0, 1501, (8,), device="cuda", generator=gen)
+        for gamma, max_n, min_n in ((8, 3, 1), (5, 3, 2)):
+            for repeat in (True, False):
+                fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)
+                triton_kernels.ENABLED = False
+                try:
+                    ref = propose(history, lengths, gamma, max_n, min_n, repeat)
+                finally:
+                    triton_kernels.ENABLED = True
+                assert fast is not None and torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+
+
 def test_proposals_from_a_graph_replay_equal_eager_ones_for_new_histories():
     gen = torch.Generator(device="cuda").manual_seed(0)
     history = torch.randint(0, 5, (8, 2048), device="cuda", generator=gen)
@@ -121,4 +140,4 @@ def test_lookup_rows_beside_draft_rows_share_one_captured_round_with_plain_decod
     eng.calibrate(prompt_tokens=4)
     got = generate(eng, prompts, params, ["lookup", "d", "lookup", "d", "d", "d"])
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    assert any(k[0] == "greedy-round" and ("lookup", 3, 2) in k for k in eng.graphs.graphs)
+    assert any(k[0] == "greedy-round" and ("lookup", 3, 1, True) in k for k in eng.graphs.graphs)
