@@ -291,12 +291,12 @@ class Bench:
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
-                   lookup_alternative=False, lookup_replay=False) -> "EngineRow":
+                   lookup_alternative=False, lookup_replay=None) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
-        `LookupDraft` here: that one), priced from replays of it over greedy requests with `lookup_replay`
-        (`DecodeEngine(lookup_replay=...)`)."""
+        `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
+        (`DecodeEngine(lookup_replay=...)`; None: the engine's default)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay)
         row.warm()
@@ -428,7 +428,7 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=False) -> None:
+                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -446,7 +446,8 @@ class EngineRow:
         self.controller = GammaController(gamma, enabled=adaptive, pin_seeded=False)
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
                                 spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
-                                gamma=self.controller, overlap=overlap, lookup_replay=lookup_replay)
+                                gamma=self.controller, overlap=overlap,
+                                **({} if lookup_replay is None else {"lookup_replay": lookup_replay}))
         if drafts:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
@@ -728,11 +729,13 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped{suffix}",
                      lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
                                               overlap=True, lookup_alternative=True)))
-        if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays: what they do
-            rows.append((f"FlashSpec best drafts or lookup (governor's choice), replayed, adaptive gamma, governor, "
-                         f"overlapped{suffix}",
-                         lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
-                                                  overlap=True, lookup_alternative=True, lookup_replay=True)))
+        if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays, or not at all
+            for replay, label in ((True, "replayed at every batch size"), (False, "not replayed")):
+                rows.append((f"FlashSpec best drafts or lookup (governor's choice), {label}, adaptive gamma, governor, "
+                             f"overlapped{suffix}",
+                             lambda replay=replay: bench.engine_row(*workload, best, block=5, adaptive=True,
+                                                                    governor=True, reference=ref, overlap=True,
+                                                                    lookup_alternative=True, lookup_replay=replay)))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         old = {domain: LookupDraft(min_n=2, gammas={}, repeat=False) for domain in DOMAINS}
         rows += [(f"FlashSpec lookup, gamma {top}, overlapped, rule before the repeat{suffix}",
@@ -966,8 +969,9 @@ def main() -> None:
                              "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
                              "repeat=False)), side by side")
     parser.add_argument("--lookup-replay", action="store_true",
-                        help="with --lookup: also the service's setting with lookup priced from replays (DecodeEngine("
-                             "lookup_replay=True)), to measure what they do")
+                        help="with --lookup: also the service's setting with lookup priced from replays of every "
+                             "greedy request (DecodeEngine(lookup_replay=True)) and from none (False), beside the "
+                             "default (requests admitted to run alone)")
     parser.add_argument("--adaptive-gamma", action="store_true",
                         help="best-draft rows with engine.gamma's adaptive gamma (at most 5), alone and with the governor")
     parser.add_argument("--unfused-rows", default="all", choices=("all", "ar"),

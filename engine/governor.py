@@ -25,9 +25,10 @@ The n-gram lookup drafter's rounds also feed a pool (`observe_pool`: seconds a r
 running row is a lookup row) and each lookup name's tokens a row's round (`observe_tokens`). A batch all of whose
 rows can run lookup moves to it together where an all-lookup batch is priced below plain decoding and below each
 moving row's draft (`batch_moves`): a round is shared, so judged row by row a batch never reaches the batch of lookup
-rows that pays. With the engine's `lookup_replay` (off by default: run 34), tokens come from replays over every
-greedy request, each domain's lookup is priced from the pool over them (`_spec_cost`), and a request running
-alone moves from its draft to lookup where the replay over its own tokens says it is cheaper (`prefers_alternative`).
+rows that pays. With the engine's `lookup_replay` (by default for requests admitted to run alone), tokens come from
+replays over those greedy requests, each domain's lookup is priced from the pool over them (`_spec_cost`), and a
+request running alone moves from its draft to lookup where the replay over its own tokens says it is cheaper
+(`prefers_alternative`).
 """
 
 from __future__ import annotations

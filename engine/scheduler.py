@@ -69,7 +69,7 @@ class DecodeEngine:
         gamma: GammaController | None = None,
         overlap: bool = False,
         prefill_graphs: bool | None = None,
-        lookup_replay: bool = False,
+        lookup_replay: bool | str = "alone",
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -95,11 +95,16 @@ class DecodeEngine:
         power-of-two length (`_prefill_target`); default: on, unless FLASHSPEC_PREFILL_GRAPHS=0 in the
         environment (run 31 on the H200: an admission's prefill 2.4-7.0 ms against 18-20 ms eager).
         lookup_replay: replay the n-gram lookup alternative's rounds over greedy requests' tokens on the host
-        (`engine.lookup.LookupShadow`, about 3 us a token) so the governor prices lookup per domain from every
-        request and moves a lone request to lookup where its own text suits lookup better (`_shadow`). Off by
-        default: on the H200 it made the service's setting slower (run 34, docs/decoding.md)."""
+        (`engine.lookup.LookupShadow`, about 10 us a round a request on this CPU) so the governor prices lookup
+        per domain from those requests and moves a lone request to lookup where its own text suits lookup better
+        (`_shadow`). "alone" (the default): the requests admitted to run alone, where a domain's first few
+        lookup requests otherwise decide its price (on the H200 at bs 1, code's first ones made 1.3 tokens a
+        round and held code on its draft in two processes of three: 1.96-2.01x against 2.23-2.24x, run 38);
+        True: every greedy request (at bs 8 it cost the service 3 %, run 38); False: none."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
+        if lookup_replay not in (True, False, "alone"):
+            raise ValueError(f"lookup_replay {lookup_replay!r}: need True, False or 'alone'")
         self.min_admit = min_admit
         self.model = model
         self.tokenizer = tokenizer
@@ -786,7 +791,7 @@ class DecodeEngine:
             eos = frozenset(req.params.eos_token_ids) if req.params.eos_token_ids is not None else self.eos
             stream = TextStream(self.tokenizer, req.params.stop) if self.tokenizer is not None else None
             state = SlotState(req, slot, RandomStream(req.params.seed), stream, eos, draft=draft, draft_name=name)
-            self._shadow(state)
+            self._shadow(state, rows)
             if draft is None:
                 self._watch_lookup(state)
             self.slots[slot] = state
@@ -853,12 +858,14 @@ class DecodeEngine:
         name, draft = candidates[pick]
         return draft, name
 
-    def _shadow(self, s: SlotState) -> None:
+    def _shadow(self, s: SlotState, rows: int) -> None:
         """Replay lookup over a greedy request's tokens (`LookupShadow`) where its draft has a lookup alternative
-        and the governor judges it: the governor prices that alternative for the domain from every such request
-        (`observe_tokens`), and a request running alone may move to it from its draft (`_commit_round`)."""
+        and the governor judges it, and `lookup_replay` asks for it at this admission's batch size (`rows`; "alone":
+        only a request admitted to run alone): the governor prices that alternative for the domain from every such
+        request (`observe_tokens`), and a request running alone may move to it from its draft (`_commit_round`)."""
         req = s.request
-        if not (self.lookup_replay and req.params.greedy and self.governor.enabled and req.draft in self.drafts
+        wanted = self.lookup_replay is True or (self.lookup_replay == "alone" and rows == 1)
+        if not (wanted and req.params.greedy and self.governor.enabled and req.draft in self.drafts
                 and self._governor_decides(req)):
             return
         for name, draft in self._candidates(req)[1:]:

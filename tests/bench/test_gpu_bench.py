@@ -334,15 +334,19 @@ def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tin
     params = SamplingParams(max_new_tokens=12, eos_token_ids=())
     plain = generate(DecodeEngine(tiny_target.model, None, max_batch_size=1, max_seq_len=64), prompts, [params] * 4)
     assert [o.token_ids for o in row.outs] == [o.token_ids for o in plain]
-    assert not row.eng.lookup_replay
-    ran_lookup = row.gov.snapshot()["pooled_rounds"]["code/lookup"]  # the rounds that ran lookup: their tokens
-    bench.args.lookup_replay = True  # --lookup-replay: the same row with lookup priced from replays, after it
+    assert row.eng.lookup_replay == "alone"  # the engine's default: each request here runs alone, so each is replayed
+    replayed = row.gov.snapshot()["pooled_rounds"]["code/lookup"]
+    bench.args.lookup_replay = True  # --lookup-replay: the same row replayed at every batch size, and not at all
     rows = dict(lookup_rows(bench, workload, None, "", best))
-    assert list(rows)[-2:] == [name, name.replace("choice), ", "choice), replayed, ")]
-    row = rows[name.replace("choice), ", "choice), replayed, ")]()
+    every, none = (name.replace("choice), ", f"choice), {label}, ")
+                   for label in ("replayed at every batch size", "not replayed"))
+    assert list(rows)[-3:] == [name, every, none]
+    row = rows[none]()
     row.timed_pass()
-    assert row.eng.lookup_replay and row.gov.snapshot()["pooled_rounds"]["code/lookup"] > ran_lookup  # every request's
+    assert row.eng.lookup_replay is False
+    assert row.gov.snapshot()["pooled_rounds"]["code/lookup"] < replayed  # only the rounds that ran lookup
     assert [o.token_ids for o in row.outs] == [o.token_ids for o in plain]
+    assert rows[every]().eng.lookup_replay is True
 
 
 def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target):

@@ -1236,8 +1236,9 @@ def test_a_lone_request_dropped_from_lookup_comes_back_once_its_replayed_rounds_
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
 def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens_shows_lookup_cheaper(tiny, graphs,
                                                                                                    overlap):
-    """With `lookup_replay` (off by default), a greedy request on its draft, whose draft has the lookup drafter as
-    alternative, has lookup's rounds replayed over its tokens (`LookupShadow`), reported to the governor for its domain. Running alone, it moves to lookup
+    """With `lookup_replay` (by default for a request admitted to run alone), a greedy request on its draft, whose
+    draft has the lookup drafter as alternative, has lookup's rounds replayed over its tokens (`LookupShadow`),
+    reported to the governor for its domain. Running alone, it moves to lookup
     once the replay over its last rounds prices lookup's round below its draft's a token (a target of 8 tokens
     repeats itself: lookup makes several tokens a round), with plain decoding's tokens; where lookup's round is
     dear it stays on its draft. Sampled requests replay nothing."""
@@ -1248,7 +1249,7 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     params = SamplingParams(max_new_tokens=300, eos_token_ids=())  # lookup's replay reaches its 32 rounds' window
     want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=320), prompts, params)[0].token_ids
 
-    def run(lookup_round: float, params=params, replay=True):
+    def run(lookup_round: float, params=params, replay=None):
         gov = SpeculationGovernor(min_samples=2)
         for _ in range(16):  # the draft pays (4 ms a token against 10) and starts; lookup's domain price is poor
             gov.observe_ar(1, 0.010, 1)
@@ -1257,7 +1258,7 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
             gov.observe_pool("lookup", 1, lookup_round, 1)
         gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings aside
         eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov,
-                             max_seq_len=320, **({"lookup_replay": True} if replay else {}))
+                             max_seq_len=320, **({} if replay is None else {"lookup_replay": replay}))
         eng.set_alternatives("d", ["lookup"])
         return generate(eng, prompts, params, "d")[0], gov
 
@@ -1266,12 +1267,39 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     assert out.draft == "d/lookup" and gov.decisions["switched"] == 1
     replayed = gov.snapshot()["pooled_rounds"]["d/lookup"]
     assert replayed >= 32 and gov.snapshot()["pooled_tokens_per_round"]["d/lookup"] > 1.5
-    out, gov = run(0.002, replay=False)  # the default: no replay, no move
+    out, gov = run(0.002, replay=False)  # no replay, no move
     assert out.token_ids == want and out.draft == "d" and gov.snapshot()["pooled_rounds"] == {}
+    out, gov = run(0.002, replay=True)  # every request replayed: this lone one alike
+    assert out.token_ids == want and out.draft == "d/lookup" and gov.decisions["switched"] == 1
     out, gov = run(0.030)  # lookup's 15 ms a token: the replay does not move it
     assert out.token_ids == want and out.draft == "d" and gov.decisions["switched"] == 0
     out, gov = run(0.002, SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, seed=1))
     assert "d/lookup" not in gov.snapshot()["pooled_rounds"]
+
+
+def test_by_default_only_requests_admitted_to_run_alone_replay_lookup(tiny):
+    """`lookup_replay="alone"` (the default): a greedy request admitted with no other row replays lookup over its
+    tokens; requests admitted into a batch do not (the replay's host time, about 10 us a round a row, bought nothing
+    at bs 8 on the H200); True replays them too, False none; anything else is refused."""
+    from engine.governor import SpeculationGovernor
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    params = SamplingParams(max_new_tokens=8, eos_token_ids=())
+
+    def shadows(prompts, **kw):
+        eng = _lookup_engine(small, None, extra={"d": noisy(oracle(small), 0.5)}, governor=SpeculationGovernor(), **kw)
+        eng.set_alternatives("d", ["lookup"])
+        for i, prompt in enumerate(prompts):
+            eng.add_request(Request(f"r{i}", prompt, params, "d"))
+        eng.step()  # admits them all
+        return [s.shadow is not None for s in eng.slots if s is not None]
+
+    assert shadows([[2, 6, 1, 7]]) == [True]
+    assert shadows([[2, 6, 1, 7], [1, 2, 3]]) == [False, False]
+    assert shadows([[2, 6, 1, 7], [1, 2, 3]], lookup_replay=True) == [True, True]
+    assert shadows([[2, 6, 1, 7]], lookup_replay=False) == [False]
+    with pytest.raises(ValueError, match="lookup_replay"):
+        _lookup_engine(small, None, lookup_replay="always")
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
