@@ -3,6 +3,7 @@ target's greedy replies, alone and beside the domain's draft.
 
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 192 --gamma 5
     python -m bench.ngram_headroom --domain dialog --shape request     # the plain held-out requests
+    python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --rules 5,8   # the rule's variants
 
 Prompt lookup (n-gram) drafting proposes, after the request's last n tokens, the tokens that followed the
 most recent earlier occurrence of those n tokens in the prompt or the reply so far (n = max_n down to
@@ -73,6 +74,25 @@ def play_lookup(sequences: list[list[int]], starts: list[int], lookup: Callable[
     return {"lookup_rounds": rounds, "lookup_tokens": made, "plain_steps": steps, "tokens": made + steps}
 
 
+def lookup_rounds(sequences: list[list[int]], starts: list[int], lookup: Callable[[list[int]], list[int]]) -> float:
+    """Tokens a round where every round is a lookup round, as a row on the lookup drafter runs in the engine: a
+    round with nothing proposed makes one token (its verify pass paid for all the same)."""
+    rounds = made = 0
+    for seq, start in zip(sequences, starts):
+        t = start
+        while t < len(seq) - 1:
+            proposed = lookup(seq[: t + 1])
+            step = verified_step(proposed, seq, t) if proposed else 1
+            rounds += 1
+            made += step
+            t += step
+    return made / max(rounds, 1)
+
+
+# --rules: the lookup rule's variants, (name, min_n, repeat), the rule before run 38 first.
+RULES = (("before (n 3..2)", 2, False), ("n 3..1", 1, False), ("n 3..2, repeat", 2, True), ("n 3..1, repeat", 1, True))
+
+
 @torch.no_grad()
 def expected_lookup_tokens(target, sequences: list[list[int]], starts: list[int],
                            lookup: Callable[[list[int]], list[int]], temperature: float, batch: int = 8) -> dict:
@@ -133,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-n", type=int, default=3)
     parser.add_argument("--min-n", type=int, default=1)
     parser.add_argument("--shape", choices=("long", "request"), default="long")
+    parser.add_argument("--rules", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="only the lookup rule's variants (n down to 2 or 1, with or without repeating a run's "
+                             "period) at these gammas, e.g. 5,8: tokens a round where every round is a lookup round")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="above 0: replies sampled at it, and a lookup round's expected tokens at every position "
                              "where lookup proposes (no draft rows)")
@@ -161,6 +184,13 @@ def main(argv: list[str] | None = None) -> None:
 
     head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
             "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
+    for gamma in args.rules:
+        for name, min_n, repeat in RULES:
+            rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, args.max_n, min_n, repeat))
+            print(json.dumps({**head, "gamma": gamma, "n": [min_n, args.max_n], "rule": name,
+                              "tokens_per_round": round(rate, 3)}), flush=True)
+    if args.rules:
+        return
     if args.temperature > 0:
         got = expected_lookup_tokens(loaded.model, sequences, starts, lookup, args.temperature)
         share = got["proposed"] / max(got["positions"], 1)

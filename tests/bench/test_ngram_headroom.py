@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.ngram_headroom import expected_lookup_tokens, main, ngram_lookup, play_lookup, projected
+from bench.ngram_headroom import expected_lookup_tokens, lookup_rounds, main, ngram_lookup, play_lookup, projected
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
 
@@ -80,3 +80,11 @@ def test_bad_options_are_refused_with_the_fix():
         main(["--gamma", "0"])
     with pytest.raises(SystemExit, match="min-n <= max-n"):
         main(["--min-n", "3", "--max-n", "2"])
+
+
+def test_lookup_rounds_count_a_round_that_proposes_nothing_as_one_token():
+    seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1]
+    # min_n 2: t=4 nothing (1 token), t=5 [3, 4, 1] kept (4), t=9 [3, 4, 1] kept to the reply's end (3): 8 in 3 rounds
+    assert lookup_rounds([seq], [4], lambda toks: ngram_lookup(toks, 3, min_n=2)) == 8 / 3
+    assert lookup_rounds([seq], [4], lambda toks: ngram_lookup(toks, 3)) == 4.0  # n to 1: 8 tokens in 2 rounds
+    assert lookup_rounds([[9, 8, 7, 6]], [1], lambda toks: []) == 1.0

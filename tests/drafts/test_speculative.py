@@ -1300,6 +1300,8 @@ def test_by_default_only_requests_admitted_to_run_alone_replay_lookup(tiny):
     assert shadows([[2, 6, 1, 7]], lookup_replay=False) == [False]
     with pytest.raises(ValueError, match="lookup_replay"):
         _lookup_engine(small, None, lookup_replay="always")
+    with pytest.raises(ValueError, match="lookup_replay"):
+        _lookup_engine(small, None, lookup_replay=1)
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
