@@ -712,43 +712,38 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     gammas = getattr(bench.args, "lookup", ())
     if not gammas:
         return []
+    top = max(gammas)
+
+    def alone(lookup: LookupDraft, gamma: int, label: str, **kw) -> tuple:
+        """Every request names `lookup` (under its domain) at `gamma` at every batch size."""
+        drafts = {domain: lookup for domain in DOMAINS}
+        return (f"FlashSpec lookup, gamma {gamma}{label}{suffix}",
+                lambda: bench.engine_row(*workload, drafts, block=gamma, gamma=gamma, reference=ref, **kw))
+
+    def service(label: str = "", after: str = "", alternative=True, **kw) -> tuple:
+        """The service's setting: the best drafts with the lookup drafter (`alternative`) as each one's alternative."""
+        return (f"FlashSpec best drafts or lookup (governor's choice), {label}adaptive gamma, governor, overlapped"
+                f"{after}{suffix}",
+                lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
+                                         overlap=True, lookup_alternative=alternative, **kw))
+
     lookup = LookupDraft(gammas={})  # each row's gamma at every batch size
-    drafts = {domain: lookup for domain in DOMAINS}  # every row names it, under its domain
     rows = []
     for gamma in gammas:
-        rows += [(f"FlashSpec lookup, gamma {gamma}{suffix}",
-                  lambda gamma=gamma: bench.engine_row(*workload, drafts, block=gamma, gamma=gamma, reference=ref)),
-                 (f"FlashSpec lookup, gamma {gamma}, overlapped{suffix}",
-                  lambda gamma=gamma: bench.engine_row(*workload, drafts, block=gamma, gamma=gamma, reference=ref,
-                                                       overlap=True))]
-    top = max(gammas)
-    rows.append((f"FlashSpec lookup, gamma {top}, governor, overlapped{suffix}",
-                 lambda: bench.engine_row(*workload, drafts, block=top, gamma=top, governor=True, reference=ref,
-                                          overlap=True)))
-    if best:  # the service's setting with the lookup drafter as each draft's alternative: the governor picks
-        rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped{suffix}",
-                     lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
-                                              overlap=True, lookup_alternative=True)))
+        rows += [alone(lookup, gamma, ""), alone(lookup, gamma, ", overlapped", overlap=True)]
+    rows.append(alone(lookup, top, ", governor, overlapped", governor=True, overlap=True))
+    if best:
+        rows.append(service())
         if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays, or not at all
-            for replay, label in ((True, "replayed at every batch size"), (False, "not replayed")):
-                rows.append((f"FlashSpec best drafts or lookup (governor's choice), {label}, adaptive gamma, governor, "
-                             f"overlapped{suffix}",
-                             lambda replay=replay: bench.engine_row(*workload, best, block=5, adaptive=True,
-                                                                    governor=True, reference=ref, overlap=True,
-                                                                    lookup_alternative=True, lookup_replay=replay)))
+            rows += [service("replayed at every batch size, ", lookup_replay=True),
+                     service("not replayed, ", lookup_replay=False)]
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
-        old = {domain: LookupDraft(min_n=2, gammas={}, repeat=False) for domain in DOMAINS}
-        rows += [(f"FlashSpec lookup, gamma {top}, overlapped, rule before the repeat{suffix}",
-                  lambda: bench.engine_row(*workload, old, block=top, gamma=top, reference=ref, overlap=True)),
-                 (f"FlashSpec lookup, gamma {top}, governor, overlapped, rule before the repeat{suffix}",
-                  lambda: bench.engine_row(*workload, old, block=top, gamma=top, governor=True, reference=ref,
-                                           overlap=True))]
+        before = ", rule before the repeat"
+        old = LookupDraft(min_n=2, gammas={}, repeat=False)
+        rows += [alone(old, top, ", overlapped" + before, overlap=True),
+                 alone(old, top, ", governor, overlapped" + before, governor=True, overlap=True)]
         if best:
-            rows.append((f"FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
-                         f"rule before the repeat{suffix}",
-                         lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True,
-                                                  reference=ref, overlap=True,
-                                                  lookup_alternative=LookupDraft(min_n=2, repeat=False))))
+            rows.append(service(after=before, alternative=LookupDraft(min_n=2, repeat=False)))
     return rows
 
 

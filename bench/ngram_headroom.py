@@ -89,8 +89,8 @@ def lookup_rounds(sequences: list[list[int]], starts: list[int], lookup: Callabl
     return made / max(rounds, 1)
 
 
-# --rules: the lookup rule's variants, (name, min_n, repeat), the rule before run 38 first.
-RULES = (("before (n 3..2)", 2, False), ("n 3..1", 1, False), ("n 3..2, repeat", 2, True), ("n 3..1, repeat", 1, True))
+# --rules: the lookup rule's variants, (min_n, repeat); with max_n 3 the first is the rule before run 38.
+RULES = ((2, False), (1, False), (2, True), (1, True))
 
 
 @torch.no_grad()
@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
             "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
     for gamma in args.rules:
-        for name, min_n, repeat in RULES:
+        for min_n, repeat in RULES:
             rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, args.max_n, min_n, repeat))
+            name = f"n {args.max_n}..{min_n}" + (", repeat" if repeat else "")
             print(json.dumps({**head, "gamma": gamma, "n": [min_n, args.max_n], "rule": name,
                               "tokens_per_round": round(rate, 3)}), flush=True)
     if args.rules:

@@ -162,13 +162,9 @@ class FusedOps:
         limit was reached (ours, `MAX_SHAPES`, or dynamo's). Empty when nothing is compiled."""
         if not isinstance(self.compiled, Kernels) or self.compiled is EAGER:
             return {}
-        counts = {name: {"compiled": len(k.shapes), "eager": len(k.eager_keys), "cap": MAX_SHAPES}
-                  for name, k in zip(Kernels._fields, self.compiled)}
-        if isinstance(self.long, Kernels) and self.long is not EAGER:
-            counts.update({f"{name} (long steps)": {"compiled": len(k.shapes), "eager": len(k.eager_keys),
-                                                    "cap": MAX_SHAPES}
-                           for name, k in zip(Kernels._fields, self.long)})
-        return counts
+        sets = [("", self.compiled)] + ([(" (long steps)", self.long)] if self.long is not EAGER else [])
+        return {name + label: {"compiled": len(k.shapes), "eager": len(k.eager_keys), "cap": MAX_SHAPES}
+                for label, kernels in sets for name, k in zip(Kernels._fields, kernels)}
 
     def fail(self, exc: Exception) -> None:
         if not self.failed:

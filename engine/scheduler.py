@@ -585,8 +585,7 @@ class DecodeEngine:
                     s.comeback = s.shadow
                     return
                 ids = list(req.prompt_ids) + s.output_ids
-                s.comeback = LookupShadow(ids[:-1] if s.output_ids else ids, self.lookup_gamma(draft, 1), draft.max_n,
-                                          draft.min_n, repeat=draft.repeat)
+                s.comeback = self._replay(draft, ids[:-1] if s.output_ids else ids)
                 if s.output_ids:
                     s.comeback.extend(ids[-1:])  # the pending token: the next round's history ends with it
                 return
@@ -870,10 +869,14 @@ class DecodeEngine:
             return
         for name, draft in self._candidates(req)[1:]:
             if is_lookup(draft):
-                s.shadow = LookupShadow(req.prompt_ids, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n,
-                                        repeat=draft.repeat)
+                s.shadow = self._replay(draft, req.prompt_ids)
                 s.shadow_name = governed(req, name)
                 return
+
+    def _replay(self, draft, history: list[int]) -> LookupShadow:
+        """Lookup drafter `draft`'s rounds replayed from `history` on, as a lone row runs them (its gamma at batch 1,
+        its rule)."""
+        return LookupShadow(history, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n, repeat=draft.repeat)
 
     def _candidates(self, req: Request) -> list[tuple[str, Draft]]:
         """(the name it is judged under, the drafter) for a request's own draft, then for each of its draft's loaded
