@@ -21,6 +21,7 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
 at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
 alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
+`--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
@@ -737,6 +738,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays, or not at all
             rows += [service("replayed at every batch size, ", lookup_replay=True),
                      service("not replayed, ", lookup_replay=False)]
+    for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
+        rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         before = ", rule before the repeat"
         old = LookupDraft(min_n=2, gammas={}, repeat=False)
@@ -963,6 +966,10 @@ def main() -> None:
                         help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
                              "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
                              "repeat=False)), side by side")
+    parser.add_argument("--lookup-lone", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
+                             "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "
+                             "e.g. 12,15")
     parser.add_argument("--lookup-replay", action="store_true",
                         help="with --lookup: also the service's setting with lookup priced from replays of every "
                              "greedy request (DecodeEngine(lookup_replay=True)) and from none (False), beside the "

@@ -146,6 +146,11 @@ class LookupShadow:
 # H200 a lone lookup row ran 3-7 % faster at 8 than at 5, runs 33-34 and 37), a batch the engine's gamma (at 8 rows,
 # gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37).
 DEFAULT_GAMMAS = {1: 8}
+# The most tokens a greedy lookup round may propose: its verify pass (gamma + 1 tokens a row) stays within the steps
+# the compiled layer kernels and the attention kernel serve (engine.fused.MAX_COMPILED_TOKENS, 16 tokens a row).
+# The engine's cache margin holds it whatever its own gamma (`DecodeEngine.margin`), so a lookup drafter's gamma
+# is not capped by a draft's.
+MAX_GAMMA = 15
 
 
 class LookupDraft:
@@ -169,9 +174,11 @@ class LookupDraft:
             raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=1")
         gammas = dict(DEFAULT_GAMMAS if gammas is None else gammas)
         bad = {b: g for b, g in gammas.items()
-               if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0 and g >= 1)}
+               if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0
+                       and 1 <= g <= MAX_GAMMA)}
         if bad:
-            raise ValueError(f"lookup gammas {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma >= 1}}, e.g. {{1: 8}}")
+            raise ValueError(f"lookup gammas {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma 1..{MAX_GAMMA}}}, "
+                             f"e.g. {{1: 8}}")
         self.max_n, self.min_n, self.gammas, self.repeat = max_n, min_n, gammas, repeat
 
     @property

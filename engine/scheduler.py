@@ -22,6 +22,7 @@ from engine.fused import compile_events
 from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
 from engine.lookup import LOOKUP_POOL, LookupShadow, is_lookup, launch_lookup_round
+from engine.lookup import MAX_GAMMA as LOOKUP_MAX_GAMMA
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState, repeats_its_seed
 from engine.sampling import (RandomStream, advance, needs_filters, param_tensors, processed_probs, sample, sample_with,
@@ -111,8 +112,9 @@ class DecodeEngine:
         self.spec = spec or SpecConfig()
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        # Speculative writes past a row's length: gamma tokens, or a draft tree's width * gamma nodes.
-        self.margin = self.spec.num_speculative_tokens * self.spec.tree_width + 4
+        # Speculative writes past a row's length: gamma tokens, a draft tree's width * gamma nodes, or a lookup
+        # round's own gamma (up to engine.lookup.MAX_GAMMA, whatever the engine's gamma).
+        self.margin = max(self.spec.num_speculative_tokens * self.spec.tree_width, LOOKUP_MAX_GAMMA) + 4
         model.args.check_context(max_seq_len)
         weight = model.embed_tokens.weight
         use_graphs = weight.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)

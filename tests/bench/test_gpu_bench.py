@@ -378,3 +378,31 @@ def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target
         row.timed_pass()
     assert [o.token_ids for o in alone.outs] == [o.token_ids for o in new.outs] == [o.token_ids for o in service.outs]
     assert sum(o.stats.rounds for o in alone.outs) > sum(o.stats.rounds for o in new.outs)  # the repeat: fewer rounds
+
+
+def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_target):
+    """--lookup-lone G: the service's setting again with a lone greedy row's lookup gamma G
+    (LookupDraft(gammas={1: G})), side by side; its lone lookup rounds run at G, with plain decoding's tokens."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), lookup_lone=(6, 12))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 14, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
+    assert list(rows)[-3:] == [base, base + ", lone lookup gamma 6", base + ", lone lookup gamma 12"]
+    default, lone = rows[base](), rows[base + ", lone lookup gamma 12"]()
+    assert lone.eng.drafts["lookup"].gamma_at(1, 5) == 12 and default.eng.drafts["lookup"].gamma_at(1, 5) == 8
+    for row in (default, lone):
+        row.timed_pass()
+    assert [o.token_ids for o in default.outs] == [o.token_ids for o in lone.outs]
+    assert lone.eng.lookup_gamma(lone.eng.drafts["lookup"], 1) == 12  # not capped by the engine's gamma 5
+    assert lone.gov.snapshot()["spec_samples"].get("code/lookup@1", 0) > 0  # lookup rounds ran
+    bench.args.lookup_lone = ()
+    assert all("lone lookup gamma" not in name for name in dict(lookup_rows(bench, workload, None, "", best)))

@@ -1379,9 +1379,9 @@ def test_lookup_draft_settings_are_checked():
 
 def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
     """A greedy lookup round's gamma comes from its drafter by batch-size bucket (`LookupDraft.gammas`): two rows
-    run the engine's 5, the one left when the other stops runs 8, capped by the cache margin; sampled rounds run
+    run the engine's 5, the one left when the other stops runs 8 (the cache margin holds up to MAX_GAMMA); sampled rounds run
     the engine's gamma. Tokens are plain decoding's throughout."""
-    from engine.lookup import LookupDraft
+    from engine.lookup import MAX_GAMMA, LookupDraft
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
     prompts = [[1, 2, 3, 4], [5, 0, 6]]
@@ -1394,8 +1394,13 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
     assert {(2, 5), (1, 8)} <= gammas and all(g == (5 if rows > 1 else 8) for rows, g in gammas), gammas
     lookup = eng.drafts["lookup"]
     assert eng.lookup_gamma(lookup, 1) == 8 and eng.lookup_gamma(lookup, 1, greedy=False) == 5
+    # The cache margin holds a lookup round's own gamma whatever the engine's (up to MAX_GAMMA), not a draft's 2.
     narrow = DecodeEngine(small, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(2, 2))
-    assert narrow.lookup_gamma(LookupDraft(), 1) == narrow.margin == 6  # the cache margin bounds it
+    assert narrow.margin == MAX_GAMMA + 4 and narrow.lookup_gamma(LookupDraft(), 1) == 8
+    assert narrow.lookup_gamma(LookupDraft(gammas={1: MAX_GAMMA}), 1) == MAX_GAMMA
+    assert narrow.lookup_gamma(LookupDraft(gammas={1: MAX_GAMMA}), 2) == 2
+    with pytest.raises(ValueError, match="gamma 1..15"):
+        LookupDraft(gammas={1: MAX_GAMMA + 1})
 
 
 @pytest.mark.parametrize("graphs", [None, "emulate"])
