@@ -18,7 +18,7 @@ def test_the_one_launch_proposer_gives_the_torch_rule_s_proposals_on_the_gpu():
     for vocab in (3, 6):
         history = torch.randint(0, vocab, (8, 1500), device="cuda", generator=gen)
         lengths = torch.randint(0, 1501, (8,), device="cuda", generator=gen)
-        for gamma, max_n, min_n in ((8, 3, 1), (5, 3, 2)):
+        for gamma, max_n, min_n in ((8, 3, 1), (5, 3, 2), (15, 3, 1)):
             for repeat in (True, False):
                 fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)
                 triton_kernels.ENABLED = False
@@ -50,10 +50,11 @@ def test_proposals_from_a_graph_replay_equal_eager_ones_for_new_histories():
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap):
+@pytest.mark.parametrize("gammas", [None, {1: 15, 2: 15, 4: 15}])
+def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, gammas):
     """Rows naming a LookupDraft, their rounds captured (and chained with overlap), scattered rows included (a
     row finishing early frees its slot for the next request): plain decoding's tokens, and repeats taken in
-    rounds of several tokens."""
+    rounds of several tokens; at the default gammas and at engine.lookup.MAX_GAMMA (past the engine's 5)."""
     from engine.config import ModelArgs
     from engine.generate import generate
     from engine.lookup import LookupDraft
@@ -71,10 +72,11 @@ def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap):
     params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (60, 23, 47, 60, 31)]
     plain = generate(DecodeEngine(target, None, max_batch_size=4, max_seq_len=128), prompts, params)
     eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), overlap=overlap)
-    eng.add_draft("lookup", LookupDraft())
+    eng.add_draft("lookup", LookupDraft(gammas=gammas))
     got = generate(eng, prompts, params, "lookup")
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    assert any(k[0] == "lookup-round" for k in eng.graphs.graphs)
+    ran = {k[3] for k in eng.graphs.graphs if k[0] == "lookup-round"}  # the rounds' gammas
+    assert ran == ({5, 8} if gammas is None else {15}), ran
     assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
 
 
