@@ -21,6 +21,7 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
 at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
 alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
+`--return-window 32` adds the service's setting again with the governor's return window at each of those;
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
@@ -292,14 +293,14 @@ class Bench:
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
-                   lookup_alternative=False, lookup_replay=None) -> "EngineRow":
+                   lookup_alternative=False, lookup_replay=None, governor_kw: dict | None = None) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
         `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
-        (`DecodeEngine(lookup_replay=...)`; None: the engine's default)."""
+        (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other settings."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                        mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay)
+                        mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw)
         row.warm()
         return row
 
@@ -429,7 +430,8 @@ class EngineRow:
     (weights, the transformers model if loaded)."""
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None) -> None:
+                 mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None,
+                 governor_kw: dict | None = None) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -442,7 +444,7 @@ class EngineRow:
         self.before_bytes = _allocated()
         _reset_peak()
         max_len = max(len(p) for p in prompts) + new + 16
-        self.gov = SpeculationGovernor(enabled=governor) if governor else None
+        self.gov = SpeculationGovernor(enabled=governor, **(governor_kw or {})) if governor else None
         # The T=1 rows are seeded only to fix their draws: no pinning (full gamma, no governor exemption) for them.
         self.controller = GammaController(gamma, enabled=adaptive, pin_seeded=False)
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
@@ -738,6 +740,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays, or not at all
             rows += [service("replayed at every batch size, ", lookup_replay=True),
                      service("not replayed, ", lookup_replay=False)]
+    for window in getattr(bench.args, "return_window", ()) if best else ():  # the way back's window, side by side
+        rows.append(service(after=f", return window {window}", governor_kw={"return_window": window}))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
         rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
@@ -966,6 +970,10 @@ def main() -> None:
                         help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
                              "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
                              "repeat=False)), side by side")
+    parser.add_argument("--return-window", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="with --lookup: also the service's setting with the governor's return window (replayed "
+                             "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "
+                             "these, e.g. 32")
     parser.add_argument("--lookup-lone", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
                              "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "

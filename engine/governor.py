@@ -84,13 +84,20 @@ class _Rate:
 # requests of 256 tokens at gamma 3 (tests/engine/test_governor.py) one whose rounds pay 1.39x was never dropped,
 # 1.20x in 2 % of requests, 1.04x in a third, 0.97x in three quarters, and 0.80x always, after 34 rounds on average.
 REQUEST_WINDOW = 32
+# Replayed rounds a request decoding plainly is judged by for the way (back) to lookup (`returns_to`). Shorter than
+# REQUEST_WINDOW: the two mistakes cost unlike amounts. Back too early costs the rounds until the per-request rule
+# drops it again, lookup rounds making about one token (0.87 ms against a plain token's 0.72 on the H200); back too
+# late costs plain decoding's 0.72 ms for tokens lookup would have made in a quarter of that. Over our own splits'
+# greedy replies in the benchmark's long shape, lone requests replayed with the governor's rules (bench/RESULTS.md,
+# run 39): 8 rounds kept every domain's time or cut it, 4 cost a little where replies do not repeat.
+RETURN_WINDOW = 8
 
 
-def _window(tokens: Sequence[int]) -> tuple[float, float] | None:
-    """(mean, its relative standard error) of the last REQUEST_WINDOW rounds' tokens; None with fewer."""
-    recent = list(tokens)[-REQUEST_WINDOW:]
+def _window(tokens: Sequence[int], size: int = REQUEST_WINDOW) -> tuple[float, float] | None:
+    """(mean, its relative standard error) of the last `size` rounds' tokens; None with fewer."""
+    recent = list(tokens)[-size:]
     n = len(recent)
-    if n < REQUEST_WINDOW:
+    if n < size:
         return None
     mean = sum(recent) / n
     spread = sum((t - mean) ** 2 for t in recent) / (n - 1)
@@ -108,7 +115,7 @@ def batch_bucket(rows: int) -> int:
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 8, probe_every: int = 64,
                  tolerance: float = 1.0, probe_seconds: float = 30.0, error_weight: float = 1.0,
-                 clock=time.monotonic) -> None:
+                 return_window: int = RETURN_WINDOW, clock=time.monotonic) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost * (1 + error_weight * e),
         e the two estimates' combined relative standard error.
         alpha / min_samples: the costs average over about 1/alpha samples (a plain mean until then), and no
@@ -121,7 +128,12 @@ class SpeculationGovernor:
         (tests/engine/test_governor.py, test_noisy_rounds_keep_a_paying_draft_on).
         probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
         admission, and on the first admission after probe_seconds without a speculative round of it
-        (so its estimate follows the traffic when requests are few)."""
+        (so its estimate follows the traffic when requests are few).
+        return_window: the replayed rounds (back) to lookup is judged by (`returns_to`; REQUEST_WINDOW's
+        at most, the replay keeps that many)."""
+        if not 2 <= return_window <= REQUEST_WINDOW:
+            raise ValueError(f"return_window {return_window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
+        self.return_window = return_window
         self.enabled = enabled
         self.alpha = alpha
         self.min_samples = min_samples
@@ -428,13 +440,13 @@ class SpeculationGovernor:
     def returns_to(self, pool: str, replayed: Sequence[int]) -> bool:
         """Should a request decoding plainly alone go (back) on `pool`'s drafter (n-gram lookup), whose rounds over
         its own last tokens would have made `replayed` tokens each (`engine.lookup.LookupShadow`)? Yes when the
-        pool's round at batch 1 over the replayed tokens a round costs less a token than plain decoding at batch 1
-        by more than twice their combined standard error. Lookup keeps no state but the request's tokens, so a
+        pool's round at batch 1 over the last `return_window` replayed rounds' tokens a round costs less a token
+        than plain decoding at batch 1 by more than twice their combined standard error. Lookup keeps no state but the request's tokens, so a
         request that left it (`keep_speculating`) may come back once its text repeats itself, and leave again: a
         reply that does not repeat early often does later (run 37: lookup alone 2.46x plain decoding at bs 1,
         with the per-request drop and no way back 1.66x)."""
         with self._lock:
-            own = _window(replayed)
+            own = _window(replayed, self.return_window)
             round_ = self._pool.get((pool, 1))
             ar = self._ar.get(1)
             if (own is None or round_ is None or round_.count < self.min_samples or ar is None

@@ -406,3 +406,23 @@ def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_targ
     assert lone.gov.snapshot()["spec_samples"].get("code/lookup@1", 0) > 0  # lookup rounds ran
     bench.args.lookup_lone = ()
     assert all("lone lookup gamma" not in name for name in dict(lookup_rows(bench, workload, None, "", best)))
+
+
+def test_return_window_rows_run_the_service_with_another_governor_window(tiny_target):
+    """--return-window W: the service's setting again with the governor's return window W, side by side."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine.governor import RETURN_WINDOW
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), return_window=(32,))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
+    assert list(rows)[-2:] == [base, base + ", return window 32"]
+    assert rows[base]().gov.return_window == RETURN_WINDOW and rows[base + ", return window 32"]().gov.return_window == 32

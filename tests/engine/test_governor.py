@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from engine.governor import REQUEST_WINDOW, SpeculationGovernor, batch_bucket
 from engine.speculative import SpecConfig
 
@@ -663,18 +665,31 @@ def test_a_batch_moves_to_lookup_where_a_batch_of_lookup_rows_is_priced_below_pl
 
 def test_a_plain_request_returns_to_lookup_only_when_its_replayed_rounds_clearly_pay():
     """`returns_to`: the lookup pool's round at batch 1 over the request's replayed tokens a round (its last
-    REQUEST_WINDOW rounds) against plain decoding's seconds a token at batch 1, by twice their combined error;
-    nothing without both costs or a full window."""
-    from engine.governor import REQUEST_WINDOW
+    `return_window` rounds, RETURN_WINDOW by default) against plain decoding's seconds a token at batch 1, by twice
+    their combined error; nothing without both costs or a full window."""
+    from engine.governor import RETURN_WINDOW
 
     gov = SpeculationGovernor(min_samples=4)
-    repeats = [4, 3, 5, 4] * (REQUEST_WINDOW // 4)
+    assert gov.return_window == RETURN_WINDOW < REQUEST_WINDOW
+    repeats = [4, 3, 5, 4] * (RETURN_WINDOW // 4)
     assert not gov.returns_to("lookup", repeats)  # no costs yet
     for _ in range(8):
         gov.observe_ar(1, 0.010, 1)
         gov.observe_pool("lookup", 1, 0.012, 1)
     assert not gov.returns_to("lookup", repeats[:-1])  # short of a window
     assert gov.returns_to("lookup", repeats)  # 3 ms a token against 10
-    assert not gov.returns_to("lookup", [1, 1, 2, 1] * (REQUEST_WINDOW // 4))  # 9.6 ms a token: not clearly cheaper
+    assert not gov.returns_to("lookup", [1, 1, 2, 1] * (RETURN_WINDOW // 4))  # 9.6 ms a token: not clearly cheaper
     assert not gov.returns_to("other pool", repeats)
-    assert gov.decisions["returned"] == 1
+    # Only the last window counts: after 24 rounds of one token each, RETURN_WINDOW rounds of two (6 ms a token)
+    # take a request back, where the long window (REQUEST_WINDOW: 1.25 tokens a round, 9.6 ms) would still hold it.
+    late = [1] * (REQUEST_WINDOW - RETURN_WINDOW) + [2] * RETURN_WINDOW
+    assert gov.returns_to("lookup", late)
+    long = SpeculationGovernor(min_samples=4, return_window=REQUEST_WINDOW)
+    for _ in range(8):
+        long.observe_ar(1, 0.010, 1)
+        long.observe_pool("lookup", 1, 0.012, 1)
+    assert not long.returns_to("lookup", late) and long.returns_to("lookup", repeats * (REQUEST_WINDOW // RETURN_WINDOW))
+    for bad in (1, REQUEST_WINDOW + 1):
+        with pytest.raises(ValueError, match="return_window"):
+            SpeculationGovernor(return_window=bad)
+    assert gov.decisions["returned"] == 2
