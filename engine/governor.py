@@ -87,9 +87,10 @@ REQUEST_WINDOW = 32
 # Replayed rounds a request decoding plainly is judged by for the way (back) to lookup (`returns_to`). Shorter than
 # REQUEST_WINDOW: the two mistakes cost unlike amounts. Back too early costs the rounds until the per-request rule
 # drops it again, lookup rounds making about one token (0.87 ms against a plain token's 0.72 on the H200); back too
-# late costs plain decoding's 0.72 ms for tokens lookup would have made in a quarter of that. Over our own splits'
-# greedy replies in the benchmark's long shape, lone requests replayed with the governor's rules (bench/RESULTS.md,
-# run 39): 8 rounds kept every domain's time or cut it, 4 cost a little where replies do not repeat.
+# late costs plain decoding's 0.72 ms for tokens lookup would have made in a quarter of that. Replaying lone
+# requests over our own splits' greedy replies with the governor's rules and the H200's costs (bench/RESULTS.md,
+# run 39): 8 rounds against 32 +0.45 % over nine split/shape/domain cells (dialog +3 %, code -0.9 % on plain
+# requests), 4 rounds +0.9 %; on the H200 the service at bs 1 ran 0.7-1.0 % faster with 8 than with 32.
 RETURN_WINDOW = 8
 
 
@@ -441,10 +442,10 @@ class SpeculationGovernor:
         """Should a request decoding plainly alone go (back) on `pool`'s drafter (n-gram lookup), whose rounds over
         its own last tokens would have made `replayed` tokens each (`engine.lookup.LookupShadow`)? Yes when the
         pool's round at batch 1 over the last `return_window` replayed rounds' tokens a round costs less a token
-        than plain decoding at batch 1 by more than twice their combined standard error. Lookup keeps no state but the request's tokens, so a
-        request that left it (`keep_speculating`) may come back once its text repeats itself, and leave again: a
-        reply that does not repeat early often does later (run 37: lookup alone 2.46x plain decoding at bs 1,
-        with the per-request drop and no way back 1.66x)."""
+        than plain decoding at batch 1 by more than twice their combined standard error. Lookup keeps no state but
+        the request's tokens, so a request that left it (`keep_speculating`) may come back once its text repeats
+        itself, and leave again: a reply that does not repeat early often does later (run 37: lookup alone 2.46x
+        plain decoding at bs 1, with the per-request drop and no way back 1.66x)."""
         with self._lock:
             own = _window(replayed, self.return_window)
             round_ = self._pool.get((pool, 1))

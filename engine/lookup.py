@@ -144,7 +144,8 @@ class LookupShadow:
 
 # Greedy lookup rounds' gamma by batch-size bucket where it differs from the engine's: a lone row drafts 8 (on the
 # H200 a lone lookup row ran 3-7 % faster at 8 than at 5, runs 33-34 and 37), a batch the engine's gamma (at 8 rows,
-# gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37).
+# gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37). A lone row at 12 or 15
+# ran slower than at 8 (run 39: 6 % more tokens a round on the benchmark's replies for a round 7.5 % dearer).
 DEFAULT_GAMMAS = {1: 8}
 # The most tokens a greedy lookup round may propose: its verify pass (gamma + 1 tokens a row) stays within the steps
 # the compiled layer kernels and the attention kernel serve (engine.fused.MAX_COMPILED_TOKENS, 16 tokens a row).
@@ -159,9 +160,10 @@ class LookupDraft:
     cache of its own.
 
     `gammas`: the tokens a greedy lookup round proposes, by batch-size bucket (1, 2, 4, ...), where it differs from
-    the engine's gamma (default `DEFAULT_GAMMAS`; `{}`: the engine's at every batch size). The engine caps it at
-    its cache margin (`DecodeEngine.lookup_gamma`). Sampled rounds take the engine's gamma: a seeded request's
-    draws must not depend on its batch. `max_n`, `min_n`, `repeat`: the rule (`propose`)."""
+    the engine's gamma (default `DEFAULT_GAMMAS`; `{}`: the engine's at every batch size), at most `MAX_GAMMA`
+    (the engine's cache margin holds that much whatever its own gamma; `DecodeEngine.lookup_gamma`). Sampled
+    rounds take the engine's gamma: a seeded request's draws must not depend on its batch. `max_n`, `min_n`,
+    `repeat`: the rule (`propose`)."""
 
     shared_layers = 0
     adapter_layers = 0

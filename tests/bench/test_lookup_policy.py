@@ -1,0 +1,38 @@
+"""bench.lookup_policy: the governor's per-request rules for a lone lookup request, replayed over replies."""
+
+import pytest
+
+from bench.lookup_policy import compare, play, seeded_governor
+
+ROUND, PLAIN = 0.872e-3, 0.722e-3
+
+
+def _late_repeater() -> tuple[list[int], list[int]]:
+    """A reply of 120 tokens that never repeat, then a 5-token phrase over and over."""
+    prompt = list(range(1000, 1010))
+    return prompt, list(range(2000, 2120)) + [7, 8, 9, 10, 11] * 40
+
+
+def test_a_reply_that_repeats_only_late_drops_then_comes_back_sooner_with_a_short_window():
+    prompt, reply = _late_repeater()
+    got = {w: play(prompt, reply, seeded_governor(ROUND, PLAIN, w), 8, ROUND, PLAIN) for w in (32, 8)}
+    for w in (32, 8):
+        assert got[w]["drops"] == 1 and got[w]["returns"] == 1, got  # dropped in the stretch without repeats
+    assert got[8]["lookup_tokens"] > got[32]["lookup_tokens"]  # back on lookup sooner: more of the repeats
+    assert got[8]["seconds"] < got[32]["seconds"]
+    throughout = play(prompt, reply, seeded_governor(ROUND, PLAIN, 8), 8, ROUND, PLAIN, drop=False)
+    assert throughout["drops"] == 0 and throughout["lookup_tokens"] == len(reply) - 1
+
+
+def test_compare_prices_rules_against_plain_decoding_over_the_same_replies():
+    prompt, reply = _late_repeater()
+    never = (list(range(10)), list(range(100, 400)))  # no token ever recurs: lookup proposes nothing
+    rules = compare([(prompt, reply), never], (32, 8), 8, ROUND, PLAIN)
+    assert list(rules) == ["lookup throughout", "return window 32", "return window 8"]
+    assert rules["return window 8"]["speedup"] > rules["return window 32"]["speedup"] > 1.0
+    alone = compare([never], (8,), 8, ROUND, PLAIN)
+    # Without a single repeat every lookup round makes one token: throughout it costs round / plain; the rule
+    # drops it after its window and it does not come back.
+    assert alone["lookup throughout"]["speedup"] == pytest.approx(PLAIN / ROUND, rel=0.01)
+    assert alone["return window 8"]["drops"] == 1 and alone["return window 8"]["returns"] == 0
+    assert alone["return window 8"]["speedup"] > alone["lookup throughout"]["speedup"]
