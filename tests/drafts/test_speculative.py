@@ -1170,6 +1170,7 @@ def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternati
     also with a round in flight), with plain decoding's tokens, reported under what it ran last. A sampled one
     drops to plain decoding."""
     from engine.governor import SpeculationGovernor
+    from engine.lookup import LOOKUP_POOL
     from engine.scheduler import SAMPLED
 
     def engine():
@@ -1182,7 +1183,10 @@ def test_a_greedy_request_whose_draft_stops_paying_moves_to_its_lookup_alternati
                 gov.observe_ar(1, 0.010, 1)
                 gov.observe_spec("d" + suffix, 1, seconds, tokens)
                 gov.observe_spec("d/lookup" + suffix, 1, 0.018, 2)
-        gov.observe_ar = gov.observe_spec = lambda *args: None  # ... and this CPU's timings do not change that
+                gov.observe_pool(LOOKUP_POOL, 1, 0.018, 1)  # a lookup round at batch 1, as its pool prices it
+        # ... and this CPU's timings do not change that (a loaded machine's lookup rounds priced above 10 ms a
+        # token dropped the greedy request from lookup too, and its history then stops at the drop)
+        gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None
         eng = _lookup_engine(target, graphs, overlap, extra={"d": bad}, governor=gov)
         eng.set_alternatives("d", ["lookup"])
         return eng, gov
