@@ -89,8 +89,9 @@ REQUEST_WINDOW = 32
 # drops it again, lookup rounds making about one token (0.87 ms against a plain token's 0.72 on the H200); back too
 # late costs plain decoding's 0.72 ms for tokens lookup would have made in a quarter of that. Replaying lone
 # requests over our own splits' greedy replies with the governor's rules and the H200's costs (bench/RESULTS.md,
-# run 39): 8 rounds against 32 +0.45 % over nine split/shape/domain cells (dialog +3 %, code -0.9 % on plain
-# requests), 4 rounds +0.9 %; on the H200 the service at bs 1 ran 0.7-1.0 % faster with 8 than with 32.
+# run 39): 8 rounds against 32 +0.43 % over nine split/shape/domain cells (dialog +3 %, code -0.9 % on plain
+# requests), 4 rounds +0.86 % (not run on the GPU); on the H200 the service at bs 1 ran 0.7-1.0 % faster with 8 than
+# with 32.
 RETURN_WINDOW = 8
 
 
