@@ -298,7 +298,8 @@ class Bench:
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
         `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
-        (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other settings."""
+        (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other
+        settings (`SpeculationGovernor`'s keywords)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw)
         row.warm()
