@@ -42,19 +42,15 @@ def play(prompt: list[int], reply: list[int], gov, gamma: int, round_s: float, p
          drop: bool = True) -> dict:
     """One lone request's reply (its first token the prefill's) under the governor's rules -> {"seconds", "drops",
     "returns", "lookup_tokens"}; `drop=False`: lookup throughout."""
+    from bench.tree_headroom import verified_step
     from engine.lookup import LOOKUP_POOL, LookupShadow
 
-    shadow = LookupShadow(prompt, gamma)
+    shadow, whole = LookupShadow(prompt, gamma), prompt + reply
     shadow.extend(reply[:1])
     pos, seconds, on_lookup, recent, drops, returns, looked = 1, 0.0, True, [], 0, 0, 0
     while pos < len(reply):
-        if on_lookup:
-            proposal = shadow.propose(len(prompt) + pos)
-            accepted = 0
-            while (accepted < len(proposal) and pos + accepted < len(reply)
-                   and reply[pos + accepted] == proposal[accepted]):
-                accepted += 1
-            made = min(accepted + 1, len(reply) - pos)
+        if on_lookup:  # a live round from here: the rule's proposal over the tokens so far, verified
+            made = verified_step(shadow.propose(len(prompt) + pos), whole, len(prompt) + pos - 1)
             shadow.extend(reply[pos:pos + made])
             pos, seconds, looked = pos + made, seconds + round_s, looked + made
             recent.append(made)

@@ -36,6 +36,7 @@ import torch
 
 from bench.draft_temperature import replies_parser, target_replies
 from bench.tree_headroom import simulate_tree_rounds, verified_step
+from engine.lookup import continuation
 
 
 def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1, repeat: bool = True) -> list[int]:
@@ -47,10 +48,7 @@ def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1, 
         suffix = tokens[length - n:]
         for start in range(length - n - 1, -1, -1):  # the most recent first; never the suffix itself
             if tokens[start:start + n] == suffix:
-                follow = start + n
-                if not repeat:
-                    return tokens[follow:follow + gamma]
-                return [tokens[follow + k % (length - follow)] for k in range(gamma)]
+                return continuation(tokens, start + n, length, gamma, repeat)
     return []
 
 

@@ -61,6 +61,15 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
     return proposals, counts
 
 
+def continuation(seq: list[int], follow: int, length: int, gamma: int, repeat: bool = True) -> list[int]:
+    """What a match proposes in the history seq[:length], its tokens following from `follow` on: gamma of them,
+    repeated with their period (length - follow) where they reach the end; `repeat=False`: only those there are,
+    up to gamma. One row of `propose` (its counted tokens), for the host's statements of the rule."""
+    if not repeat:
+        return seq[follow:follow + min(gamma, length - follow)]
+    return [seq[follow + k % (length - follow)] for k in range(gamma)]
+
+
 # The governor's pool of lookup drafters: every lookup alternative's round costs a verify pass whatever the domain
 # (`SpeculationGovernor.observe_pool`), so their rounds' seconds are pooled and their tokens replayed per domain.
 LOOKUP_POOL = "lookup"
@@ -110,10 +119,7 @@ class LookupShadow:
                 continue
             at = index.get(tuple(seq[length - n:length]))
             if at is not None:
-                follow = at + n
-                if not self.repeat:
-                    return seq[follow:follow + min(self.gamma, length - follow)]
-                return [seq[follow + k % (length - follow)] for k in range(self.gamma)]
+                return continuation(seq, at + n, length, self.gamma, self.repeat)
         return []
 
     def extend(self, tokens: list[int]) -> list[int]:

@@ -694,9 +694,10 @@ class DecodeEngine:
 
     def lookup_gamma(self, draft, rows: int, greedy: bool = True) -> int:
         """The tokens a round of `rows` rows of lookup drafter `draft` proposes: greedy, the drafter's gamma at the
-        batch's bucket (`LookupDraft.gammas`, at most the cache margin); sampled, the engine's gamma."""
+        batch's bucket (`LookupDraft.gammas`, at most `engine.lookup.MAX_GAMMA`, which the cache margin holds);
+        sampled, the engine's gamma."""
         gamma = self.spec.num_speculative_tokens
-        return min(draft.gamma_at(self.batch_bucket(rows), gamma), self.margin) if greedy else gamma
+        return draft.gamma_at(self.batch_bucket(rows), gamma) if greedy else gamma
 
     def _lookup_round(self, rows: list[SlotState]):
         """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at `lookup_gamma`;
