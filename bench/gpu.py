@@ -21,7 +21,8 @@ step of the default model (CUDA graph ms, CUDA kernels per eager step) before an
 weights: each request's own earlier tokens propose its next ones) at those gammas, alone and overlapped, and
 at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
 alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
-`--return-window 32` adds the service's setting again with the governor's return window at each of those;
+`--return-window 32` adds the service's setting again with the governor's return window at each of those,
+`--switch-window 8` with its switch window (a lone request's move from its draft to lookup) at each of those;
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
@@ -33,7 +34,10 @@ overlapped); --adaptive-gamma adds rows with
 each prints the controller's choices and estimates in its log line); the fused rows include plain decoding
 overlapped; --unfused-rows ar leaves only plain decoding unfused (with --fused, the
 FlashSpec rows then run on the fused path alone). --rows "overlapped;governor's choice" runs only the engine rows
-whose names hold one of those parts (each cell's first row, what its ratios are against, always runs). Six long
+whose names hold one of those parts (each cell's first row, what its ratios are against, always runs). Each
+engine row's log line says where its last pass's tokens came from (`paths`: draft and lookup rounds and their
+tokens, plain decoding's tokens, requests that moved), and a governed row's what the governor decided in that pass
+(`pass_decisions`). Six long
 requests (two a domain) are few for the bs 1 cell: a reply's repeats decide lookup's rounds, and a numerics change
 that turns one reply into another moved its lookup rows by 5-15 % (run 37); `--long-prompts 24` runs eight a domain.
 
@@ -502,6 +506,7 @@ class EngineRow:
         at most `RERUNS` times, and the row counts the passes rerun."""
         for attempt in range(RERUNS + 1):
             before = self.eng.graphs.captures
+            decided = dict(self.gov.decisions) if self.gov is not None else None
             _sync()
             with self.pauses, HostSplit(self.eng) as split:
                 t0 = time.perf_counter()
@@ -512,6 +517,8 @@ class EngineRow:
                 break
             self.reruns += 1
         rate = sum(len(o.token_ids) for o in self.outs) / wall
+        if decided is not None:  # what the governor decided in this pass alone
+            self.pass_decisions = {k: v - decided.get(k, 0) for k, v in self.gov.decisions.items()}
         self.rates.append(rate)
         self.splits.append(split.report(wall))
         return rate
@@ -530,8 +537,10 @@ class EngineRow:
                "passes_rerun": self.reruns,
                "gc_ms_per_pass": round(self.pauses.seconds * 1000 / max(passes, 1), 2), "gc_full": self.pauses.full,
                "host_split": self.splits[-1] if self.splits else None}
+        row["paths"] = paths(outs, self.eng.drafts)
         if self.governor_on:  # what it measured and decided from: seconds per token and sample counts per bucket
             row["governor"] = self.gov.snapshot()
+            row["pass_decisions"] = getattr(self, "pass_decisions", None)  # the last measured pass's
         if self.adaptive:  # rounds per gamma, acceptance survival per draft, round ms per key and gamma
             row["gamma"] = self.controller.snapshot()
         if self.reference is not None and self.greedy:
@@ -545,6 +554,30 @@ class EngineRow:
         if self.greedy and self.bench.args.fp32_check:
             row.update(self.bench.fp32_check(self.prompts, row["outs"]))
         return row
+
+
+def paths(outs, drafts: dict) -> dict:
+    """Where a pass's tokens came from, summed over its requests: rounds and tokens of draft rounds and of lookup
+    rounds (by the drafter each ran, `SpecStats.by_drafter`; a request may move between them), and tokens of plain
+    decoding (the rest of each request's tokens, its prefill's first token included). Tokens a round made past a
+    request's end count as its round made them. `drafts`: the engine's, by name (an alternative's name is
+    "<draft>/<its name>")."""
+    from engine.lookup import is_lookup
+
+    out = {"draft": [0, 0], "lookup": [0, 0], "plain_tokens": 0, "requests_moved": 0}
+    for o in outs:
+        made = 0
+        by = o.stats.by_drafter if o.stats is not None else {}
+        for name, (rounds, tokens) in by.items():
+            kind = out["lookup" if is_lookup(drafts.get(name.split("/")[-1])) else "draft"]
+            kind[0] += rounds
+            kind[1] += tokens
+            made += tokens
+        out["plain_tokens"] += max(len(o.token_ids) - made, 0)
+        out["requests_moved"] += len(by) > 1 or (bool(by) and made < len(o.token_ids) - 1)
+    return {"draft_rounds": out["draft"][0], "draft_tokens": out["draft"][1], "lookup_rounds": out["lookup"][0],
+            "lookup_tokens": out["lookup"][1], "plain_tokens": out["plain_tokens"],
+            "requests_moved": out["requests_moved"]}
 
 
 def _sync() -> None:
@@ -743,6 +776,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                      service("not replayed, ", lookup_replay=False)]
     for window in getattr(bench.args, "return_window", ()) if best else ():  # the way back's window, side by side
         rows.append(service(after=f", return window {window}", governor_kw={"return_window": window}))
+    for window in getattr(bench.args, "switch_window", ()) if best else ():  # the draft-to-lookup move's window
+        rows.append(service(after=f", switch window {window}", governor_kw={"switch_window": window}))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
         rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
@@ -975,6 +1010,9 @@ def main() -> None:
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "
                              "these, e.g. 32")
+    parser.add_argument("--switch-window", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+                        help="with --lookup: also the service's setting with the governor's switch window (rounds a "
+                             "lone request on its draft is judged by for the move to lookup) at each of these, e.g. 8")
     parser.add_argument("--lookup-lone", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
                              "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "

@@ -117,7 +117,8 @@ def batch_bucket(rows: int) -> int:
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 8, probe_every: int = 64,
                  tolerance: float = 1.0, probe_seconds: float = 30.0, error_weight: float = 1.0,
-                 return_window: int = RETURN_WINDOW, clock=time.monotonic) -> None:
+                 return_window: int = RETURN_WINDOW, switch_window: int = REQUEST_WINDOW,
+                 clock=time.monotonic) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost * (1 + error_weight * e),
         e the two estimates' combined relative standard error.
         alpha / min_samples: the costs average over about 1/alpha samples (a plain mean until then), and no
@@ -132,10 +133,14 @@ class SpeculationGovernor:
         admission, and on the first admission after probe_seconds without a speculative round of it
         (so its estimate follows the traffic when requests are few).
         return_window: the replayed rounds (back) to lookup is judged by (`returns_to`; REQUEST_WINDOW's
-        at most, the replay keeps that many)."""
-        if not 2 <= return_window <= REQUEST_WINDOW:
-            raise ValueError(f"return_window {return_window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
+        at most, the replay keeps that many).
+        switch_window: the rounds of its own and replayed rounds a request running alone on its draft is judged
+        by for the move to lookup (`prefers_alternative`; REQUEST_WINDOW's at most)."""
+        for name, window in (("return_window", return_window), ("switch_window", switch_window)):
+            if not 2 <= window <= REQUEST_WINDOW:
+                raise ValueError(f"{name} {window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
         self.return_window = return_window
+        self.switch_window = switch_window
         self.enabled = enabled
         self.alpha = alpha
         self.min_samples = min_samples
@@ -432,7 +437,7 @@ class SpeculationGovernor:
         error (the move is final: the draft's state is not kept). Per request, where `choose` goes by domain:
         the same domain holds replies that copy their prompt and replies that do not."""
         with self._lock:
-            mine, theirs = _window(recent), _window(replayed)
+            mine, theirs = _window(recent, self.switch_window), _window(replayed, self.switch_window)
             a, b = self._round_alone(draft), self._round_alone(alternative)
             if mine is None or theirs is None or a is None or b is None:
                 return False

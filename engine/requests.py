@@ -42,6 +42,9 @@ class SpecStats:
     emitted: int = 0  # tokens produced by rounds (accepted + recovered/bonus)
     # tokens each of its last rounds produced: what the governor judges a request running alone by
     recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=REQUEST_WINDOW))
+    # rounds and tokens by the drafter that ran them (the name the governor judged it under: "code",
+    # "code/lookup"): a request may move between its draft and lookup, and to and from plain decoding
+    by_drafter: dict = dataclasses.field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,7 +55,11 @@ class SpecStats:
         """Tokens produced per round (accepted drafts + the recovered or bonus token)."""
         return self.emitted / self.rounds if self.rounds else 0.0
 
-    def record(self, drafted: int, accepted: int, passes: int) -> None:
+    def record(self, drafted: int, accepted: int, passes: int, drafter: str | None = None) -> None:
+        if drafter is not None:
+            counts = self.by_drafter.setdefault(drafter, [0, 0])
+            counts[0] += 1
+            counts[1] += accepted + 1
         self.rounds += 1
         self.verify_passes += passes
         self.drafted += drafted
@@ -79,6 +86,7 @@ class SpecStats:
             "acceptance_by_position": [
                 round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)
             ],
+            "by_drafter": {name: {"rounds": r, "tokens": t} for name, (r, t) in self.by_drafter.items()},
         }
 
 

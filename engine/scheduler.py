@@ -518,7 +518,7 @@ class DecodeEngine:
         for i, s in enumerate(spec_rows):
             if self.slots[s.slot] is not s:
                 continue  # stopped or cancelled while an overlapped round ran: its tokens are past its end
-            s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i])
+            s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i], s.draft_name)
             if is_lookup(s.draft) and s.shadow is None and not s.history_refills and self._governor_decides(s.request):
                 # A lookup row's tokens a round, whatever shared its round (replays report them where they run).
                 self.governor.observe_tokens(governed(s.request, s.draft_name), None, [result.num_accepted[i] + 1])

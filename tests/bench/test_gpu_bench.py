@@ -307,10 +307,10 @@ def test_lookup_rows_run_the_requests_on_a_lookup_drafter(tiny_target):
 def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tiny_target):
     """With the best drafts, --lookup adds the service's setting where each draft has the lookup drafter as an
     alternative (`DecodeEngine.set_alternatives`): the governor tries both, then runs the cheaper; every request's
-    tokens are plain decoding's."""
+    tokens are plain decoding's; the row says where its pass's tokens came from and what the governor decided."""
     import argparse
 
-    from bench.gpu import Bench, lookup_rows
+    from bench.gpu import Bench, lookup_rows, paths
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
     from engine.generate import generate
@@ -331,6 +331,12 @@ def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tin
     row.timed_pass()
     ran = row.gov.snapshot()["spec_samples"]
     assert ran.get("code@1", 0) > 0 and ran.get("code/lookup@1", 0) > 0  # both were tried
+    made = paths(row.outs, row.eng.drafts)  # where the (last) pass's tokens came from, by the drafter each round ran
+    by = [o.stats.by_drafter for o in row.outs if o.stats is not None]
+    assert made["draft_rounds"] == sum(b.get("code", [0, 0])[0] for b in by)
+    assert made["lookup_rounds"] == sum(b.get("code/lookup", [0, 0])[0] for b in by)
+    assert made["draft_tokens"] + made["lookup_tokens"] + made["plain_tokens"] >= sum(len(o.token_ids) for o in row.outs)
+    assert row.pass_decisions["speculate"] + row.pass_decisions["plain"] == len(prompts)  # this pass's admissions
     params = SamplingParams(max_new_tokens=12, eos_token_ids=())
     plain = generate(DecodeEngine(tiny_target.model, None, max_batch_size=1, max_seq_len=64), prompts, [params] * 4)
     assert [o.token_ids for o in row.outs] == [o.token_ids for o in plain]
@@ -409,13 +415,14 @@ def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_targ
 
 
 def test_return_window_rows_run_the_service_with_another_governor_window(tiny_target):
-    """--return-window W: the service's setting again with the governor's return window W, side by side."""
+    """--return-window W / --switch-window W: the service's setting again with the governor's return window or
+    switch window W, side by side."""
     import argparse
 
     from bench.gpu import Bench, lookup_rows
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
-    from engine.governor import RETURN_WINDOW
+    from engine.governor import REQUEST_WINDOW, RETURN_WINDOW
 
     bench = Bench.__new__(Bench)
     bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), return_window=(32,))
@@ -426,3 +433,7 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-2:] == [base, base + ", return window 32"]
     assert rows[base]().gov.return_window == RETURN_WINDOW and rows[base + ", return window 32"]().gov.return_window == 32
+    bench.args.switch_window = (8,)  # --switch-window W: the draft-to-lookup move's window, the same way
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    assert list(rows)[-1] == base + ", switch window 8"
+    assert rows[base]().gov.switch_window == REQUEST_WINDOW and rows[base + ", switch window 8"]().gov.switch_window == 8

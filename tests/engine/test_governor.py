@@ -638,6 +638,15 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     assert not gov.prefers_alternative("code", "code/lookup", own[:-1], [6] * REQUEST_WINDOW)  # too few rounds yet
     assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * (REQUEST_WINDOW - 1))
     assert not SpeculationGovernor().prefers_alternative("code", "code/lookup", own, [6] * REQUEST_WINDOW)  # unmeasured
+    # switch_window: judged on the last 8 rounds of each, it moves 24 rounds earlier; on the last 8 alone
+    gov.switch_window = 8
+    late = [1] * (REQUEST_WINDOW - 8) + [rng.choice([4, 5, 6]) for _ in range(8)]  # the text repeats from here
+    assert gov.prefers_alternative("code", "code/lookup", own[:8], late[-8:])
+    assert gov.prefers_alternative("code", "code/lookup", own, late)
+    gov.switch_window = REQUEST_WINDOW
+    assert not gov.prefers_alternative("code", "code/lookup", own, late)  # its 24 rounds of 1 still count
+    with pytest.raises(ValueError, match="switch_window 40"):
+        SpeculationGovernor(switch_window=40)
 
 
 def test_a_batch_moves_to_lookup_where_a_batch_of_lookup_rows_is_priced_below_plain_decoding_and_its_drafts():
