@@ -23,6 +23,8 @@ at the largest with the governor; plus the service's setting with the lookup dra
 alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
 `--return-window 32` adds the service's setting again with the governor's return window at each of those,
 `--switch-window 8` with its switch window (a lone request's move from its draft to lookup) at each of those;
+`--plain-timing step` adds lookup under the governor and the service's setting again with an overlapped plain call
+priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
@@ -297,15 +299,18 @@ class Bench:
     # ----- engine ---------------------------------------------------------------------------
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
-                   lookup_alternative=False, lookup_replay=None, governor_kw: dict | None = None) -> "EngineRow":
+                   lookup_alternative=False, lookup_replay=None, governor_kw: dict | None = None,
+                   engine_attrs: dict | None = None) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
         `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
         (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other
-        settings (`SpeculationGovernor`'s keywords)."""
+        settings (`SpeculationGovernor`'s keywords); `engine_attrs`: engine attributes set after it is built
+        (`DecodeEngine.plain_timed_from_read`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
-                        mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw)
+                        mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw,
+                        engine_attrs)
         row.warm()
         return row
 
@@ -436,7 +441,7 @@ class EngineRow:
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                  mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None,
-                 governor_kw: dict | None = None) -> None:
+                 governor_kw: dict | None = None, engine_attrs: dict | None = None) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -456,6 +461,10 @@ class EngineRow:
                                 spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap,
                                 **({} if lookup_replay is None else {"lookup_replay": lookup_replay}))
+        for name, value in (engine_attrs or {}).items():  # an engine switch measured side by side
+            if not hasattr(self.eng, name):
+                raise AttributeError(f"DecodeEngine has no attribute {name!r} to set")
+            setattr(self.eng, name, value)
         if drafts:
             for d, draft in drafts.items():
                 self.eng.add_draft(d, draft)
@@ -776,6 +785,12 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                      service("not replayed, ", lookup_replay=False)]
     for window in getattr(bench.args, "return_window", ()) if best else ():  # the way back's window, side by side
         rows.append(service(after=f", return window {window}", governor_kw={"return_window": window}))
+    if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
+        step = {"plain_timed_from_read": False}
+        rows.append(alone(lookup, top, ", governor, overlapped, plain calls timed from the step", governor=True,
+                          overlap=True, engine_attrs=step))
+        if best:
+            rows.append(service(after=", plain calls timed from the step", engine_attrs=step))
     for window in getattr(bench.args, "switch_window", ()) if best else ():  # the draft-to-lookup move's window
         rows.append(service(after=f", switch window {window}", governor_kw={"switch_window": window}))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
@@ -1010,6 +1025,10 @@ def main() -> None:
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "
                              "these, e.g. 32")
+    parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
+                        help="with --lookup, step: also lookup under the governor and the service's setting with an "
+                             "overlapped plain call priced from its step's start, as before "
+                             "(DecodeEngine.plain_timed_from_read = False), side by side")
     parser.add_argument("--switch-window", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="with --lookup: also the service's setting with the governor's switch window (rounds a "
                              "lone request on its draft is judged by for the move to lookup) at each of these, e.g. 8")

@@ -415,8 +415,8 @@ def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_targ
 
 
 def test_return_window_rows_run_the_service_with_another_governor_window(tiny_target):
-    """--return-window W / --switch-window W: the service's setting again with the governor's return window or
-    switch window W, side by side."""
+    """--return-window W / --switch-window W / --plain-timing step: the service's setting again with the governor's
+    return window or switch window W, or plain calls priced as before, side by side."""
     import argparse
 
     from bench.gpu import Bench, lookup_rows
@@ -437,3 +437,10 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     rows = dict(lookup_rows(bench, workload, None, "", best))
     assert list(rows)[-1] == base + ", switch window 8"
     assert rows[base]().gov.switch_window == REQUEST_WINDOW and rows[base + ", switch window 8"]().gov.switch_window == 8
+    bench.args.plain_timing = "step"  # --plain-timing step: lookup under the governor and the service, plain calls
+    rows = dict(lookup_rows(bench, workload, None, "", best))  # priced from the step's start (as before)
+    before = [name for name in rows if name.endswith("plain calls timed from the step")]
+    assert before == ["FlashSpec lookup, gamma 3, governor, overlapped, plain calls timed from the step",
+                      base + ", plain calls timed from the step"]
+    assert [rows[name]().eng.plain_timed_from_read for name in before] == [False, False]
+    assert rows[base]().eng.plain_timed_from_read is True
