@@ -22,7 +22,8 @@ weights: each request's own earlier tokens propose its next ones) at those gamma
 at the largest with the governor; plus the service's setting with the lookup drafter as each best draft's
 alternative, the governor picking which one a request runs (`DecodeEngine.set_alternatives`);
 `--return-window 32` adds the service's setting again with the governor's return window at each of those,
-`--switch-window 8` with its switch window (a lone request's move from its draft to lookup) at each of those;
+`--governor-rows "tokens_alpha=0.001;return_window=4"` with each of those governor settings (`SpeculationGovernor`'s
+keywords);
 `--plain-timing step` adds lookup under the governor and the service's setting again with an overlapped plain call
 priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
@@ -565,6 +566,27 @@ class EngineRow:
         return row
 
 
+def governor_settings(text: str) -> tuple[dict, ...]:
+    """'a=1,b=0.5;c=2' -> ({'a': 1, 'b': 0.5}, {'c': 2}): `--governor-rows`' keywords of SpeculationGovernor, a
+    row each."""
+    import inspect
+
+    from engine.governor import SpeculationGovernor
+
+    known = set(inspect.signature(SpeculationGovernor).parameters) - {"clock", "enabled"}
+    rows = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        kw = {}
+        for item in filter(None, (i.strip() for i in part.split(","))):
+            name, sep, value = item.partition("=")
+            if not sep or name.strip() not in known:
+                raise argparse.ArgumentTypeError(f"{item!r}: need name=value with a name among {sorted(known)}")
+            number = float(value)
+            kw[name.strip()] = int(number) if number.is_integer() and "." not in value else number
+        rows.append(kw)
+    return tuple(rows)
+
+
 def paths(outs, drafts: dict) -> dict:
     """Where a pass's tokens came from, summed over its requests: rounds and tokens of draft rounds and of lookup
     rounds (by the drafter each ran, `SpecStats.by_drafter`; a request may move between them), and tokens of plain
@@ -791,8 +813,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                           overlap=True, engine_attrs=step))
         if best:
             rows.append(service(after=", plain calls timed from the step", engine_attrs=step))
-    for window in getattr(bench.args, "switch_window", ()) if best else ():  # the draft-to-lookup move's window
-        rows.append(service(after=f", switch window {window}", governor_kw={"switch_window": window}))
+    for kw in getattr(bench.args, "governor_rows", ()) if best else ():  # the governor's settings, side by side
+        rows.append(service(after=", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), governor_kw=kw))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
         rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
@@ -1029,9 +1051,10 @@ def main() -> None:
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "
                              "(DecodeEngine.plain_timed_from_read = False), side by side")
-    parser.add_argument("--switch-window", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
-                        help="with --lookup: also the service's setting with the governor's switch window (rounds a "
-                             "lone request on its draft is judged by for the move to lookup) at each of these, e.g. 8")
+    parser.add_argument("--governor-rows", default=(), type=governor_settings,
+                        help="with --lookup: also the service's setting with each of these governor settings "
+                             "(SpeculationGovernor's keywords; ';' between rows, ',' between keywords), e.g. "
+                             "'tokens_alpha=0.001;return_window=4'")
     parser.add_argument("--lookup-lone", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
                              "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "

@@ -91,7 +91,10 @@ REQUEST_WINDOW = 32
 # requests over our own splits' greedy replies with the governor's rules and the H200's costs (bench/RESULTS.md,
 # run 39): 8 rounds against 32 +0.43 % over nine split/shape/domain cells (dialog +3 %, code -0.9 % on plain
 # requests), 4 rounds +0.86 % (not run on the GPU); on the H200 the service at bs 1 ran 0.7-1.0 % faster with 8 than
-# with 32.
+# with 32. A request running alone on its draft moves to lookup on the same window of its own and replayed rounds
+# (`prefers_alternative`): on REQUEST_WINDOW's it needed 32 replayed rounds, about 100 tokens of a reply, before it
+# could move, and at bs 1 a draft's token costs 2-4 times lookup's where the text repeats (H200, run 40: 154 draft
+# rounds a pass of 24 requests on 32 against 51 on 8; the service 0.7-1.4 % faster in two processes).
 RETURN_WINDOW = 8
 
 
@@ -117,7 +120,7 @@ def batch_bucket(rows: int) -> int:
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 8, probe_every: int = 64,
                  tolerance: float = 1.0, probe_seconds: float = 30.0, error_weight: float = 1.0,
-                 return_window: int = RETURN_WINDOW, switch_window: int = REQUEST_WINDOW,
+                 return_window: int = RETURN_WINDOW, tokens_alpha: float | None = None,
                  clock=time.monotonic) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost * (1 + error_weight * e),
         e the two estimates' combined relative standard error.
@@ -132,15 +135,15 @@ class SpeculationGovernor:
         probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
         admission, and on the first admission after probe_seconds without a speculative round of it
         (so its estimate follows the traffic when requests are few).
-        return_window: the replayed rounds (back) to lookup is judged by (`returns_to`; REQUEST_WINDOW's
-        at most, the replay keeps that many).
-        switch_window: the rounds of its own and replayed rounds a request running alone on its draft is judged
-        by for the move to lookup (`prefers_alternative`; REQUEST_WINDOW's at most)."""
-        for name, window in (("return_window", return_window), ("switch_window", switch_window)):
-            if not 2 <= window <= REQUEST_WINDOW:
-                raise ValueError(f"{name} {window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
+        return_window: the rounds a lone request's move to lookup is judged by, from plain decoding (`returns_to`,
+        its replayed rounds) and from its draft (`prefers_alternative`, its own rounds and the replayed ones);
+        REQUEST_WINDOW's at most, the replay keeps that many.
+        tokens_alpha: the moving average's weight of a pooled drafter's tokens a round (`observe_tokens`: one
+        sample a replayed round); alpha by default."""
+        if not 2 <= return_window <= REQUEST_WINDOW:
+            raise ValueError(f"return_window {return_window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
         self.return_window = return_window
-        self.switch_window = switch_window
+        self.tokens_alpha = alpha if tokens_alpha is None else tokens_alpha
         self.enabled = enabled
         self.alpha = alpha
         self.min_samples = min_samples
@@ -192,7 +195,7 @@ class SpeculationGovernor:
                 self._pooled[name] = pool
             rate = self._row_tokens.setdefault(name, _Rate())
             for t in tokens:
-                rate.update(t, 1, self.alpha)
+                rate.update(t, 1, self.tokens_alpha)
 
     def spec_step_seconds(self, rows: int, elapsed: float, round_seconds: float, plain_tokens: int) -> float | None:
         """Seconds to charge the speculative tokens of a step of `rows` rows that took `elapsed`, of which
@@ -249,7 +252,7 @@ class SpeculationGovernor:
             row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
             if row_round is not None:
                 tokens = row_tokens.value  # tokens a round (a _Rate of (tokens, 1))
-                return row_round[0] / tokens, math.hypot(row_round[1], row_tokens.relative_error(self.alpha))
+                return row_round[0] / tokens, math.hypot(row_round[1], row_tokens.relative_error(self.tokens_alpha))
         return self._cost(self._spec, lambda b: (name, b), bucket)
 
     def _plain_cost(self, bucket: int) -> float | None:
@@ -434,10 +437,11 @@ class SpeculationGovernor:
         `alternative`, whose rounds over the same request's tokens would have made `replayed` each
         (`engine.lookup.LookupShadow`)? Yes when the alternative's round at batch 1 over the replayed tokens a
         round costs less a token than the draft's over its own, by more than twice their combined standard
-        error (the move is final: the draft's state is not kept). Per request, where `choose` goes by domain:
-        the same domain holds replies that copy their prompt and replies that do not."""
+        error (the move is final: the draft's state is not kept), over the last `return_window` rounds of each.
+        Per request, where `choose` goes by domain: the same domain holds replies that copy their prompt and
+        replies that do not."""
         with self._lock:
-            mine, theirs = _window(recent, self.switch_window), _window(replayed, self.switch_window)
+            mine, theirs = _window(recent, self.return_window), _window(replayed, self.return_window)
             a, b = self._round_alone(draft), self._round_alone(alternative)
             if mine is None or theirs is None or a is None or b is None:
                 return False

@@ -415,14 +415,14 @@ def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_targ
 
 
 def test_return_window_rows_run_the_service_with_another_governor_window(tiny_target):
-    """--return-window W / --switch-window W / --plain-timing step: the service's setting again with the governor's
-    return window or switch window W, or plain calls priced as before, side by side."""
+    """--return-window W / --governor-rows / --plain-timing step: the service's setting again with the governor's
+    return window W, with other governor settings, or plain calls priced as before, side by side."""
     import argparse
 
-    from bench.gpu import Bench, lookup_rows
+    from bench.gpu import Bench, governor_settings, lookup_rows
     from drafts.config import DraftConfig
     from drafts.model import DraftModel
-    from engine.governor import REQUEST_WINDOW, RETURN_WINDOW
+    from engine.governor import RETURN_WINDOW
 
     bench = Bench.__new__(Bench)
     bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), return_window=(32,))
@@ -433,10 +433,15 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-2:] == [base, base + ", return window 32"]
     assert rows[base]().gov.return_window == RETURN_WINDOW and rows[base + ", return window 32"]().gov.return_window == 32
-    bench.args.switch_window = (8,)  # --switch-window W: the draft-to-lookup move's window, the same way
+    bench.args.governor_rows = governor_settings("tokens_alpha=0.001, return_window=4;return_window=16")
+    assert bench.args.governor_rows == ({"tokens_alpha": 0.001, "return_window": 4}, {"return_window": 16})
     rows = dict(lookup_rows(bench, workload, None, "", best))
-    assert list(rows)[-1] == base + ", switch window 8"
-    assert rows[base]().gov.switch_window == REQUEST_WINDOW and rows[base + ", switch window 8"]().gov.switch_window == 8
+    assert list(rows)[-2:] == [base + ", governor tokens_alpha=0.001, return_window=4", base + ", governor return_window=16"]
+    row = rows[base + ", governor tokens_alpha=0.001, return_window=4"]()
+    assert (row.gov.tokens_alpha, row.gov.return_window) == (0.001, 4) and rows[base]().gov.tokens_alpha == 0.01
+    for bad in ("clock=1", "return_window", "nonsense=2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            governor_settings(bad)
     bench.args.plain_timing = "step"  # --plain-timing step: lookup under the governor and the service, plain calls
     rows = dict(lookup_rows(bench, workload, None, "", best))  # priced from the step's start (as before)
     before = [name for name in rows if name.endswith("plain calls timed from the step")]

@@ -635,18 +635,18 @@ def test_a_lone_request_prefers_the_alternative_whose_replay_of_its_own_tokens_c
     assert gov.prefers_alternative("code", "code/lookup", own, [rng.choice([3, 4, 5]) for _ in range(REQUEST_WINDOW)])
     assert not gov.prefers_alternative("code", "code/lookup", own, [1, 2] * (REQUEST_WINDOW // 2))  # 4 ms: as dear
     assert not gov.prefers_alternative("code", "code/lookup", own, [1] * REQUEST_WINDOW)
-    assert not gov.prefers_alternative("code", "code/lookup", own[:-1], [6] * REQUEST_WINDOW)  # too few rounds yet
-    assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * (REQUEST_WINDOW - 1))
+    assert not gov.prefers_alternative("code", "code/lookup", own[:7], [6] * REQUEST_WINDOW)  # too few rounds yet
+    assert not gov.prefers_alternative("code", "code/lookup", own, [6] * 7)  # too few replayed rounds yet
+    assert not gov.prefers_alternative("code", "dialog/lookup", own, [6] * REQUEST_WINDOW)  # not priced
     assert not SpeculationGovernor().prefers_alternative("code", "code/lookup", own, [6] * REQUEST_WINDOW)  # unmeasured
-    # switch_window: judged on the last 8 rounds of each, it moves 24 rounds earlier; on the last 8 alone
-    gov.switch_window = 8
+    # Judged on the last return_window (8) rounds of each: it may move after 8 rounds, and a reply that starts
+    # repeating moves on its repeats alone; on 32 its rounds of 1 before them still count.
+    assert gov.return_window == 8
     late = [1] * (REQUEST_WINDOW - 8) + [rng.choice([4, 5, 6]) for _ in range(8)]  # the text repeats from here
     assert gov.prefers_alternative("code", "code/lookup", own[:8], late[-8:])
     assert gov.prefers_alternative("code", "code/lookup", own, late)
-    gov.switch_window = REQUEST_WINDOW
-    assert not gov.prefers_alternative("code", "code/lookup", own, late)  # its 24 rounds of 1 still count
-    with pytest.raises(ValueError, match="switch_window 40"):
-        SpeculationGovernor(switch_window=40)
+    gov.return_window = REQUEST_WINDOW
+    assert not gov.prefers_alternative("code", "code/lookup", own, late)
 
 
 def test_a_batch_moves_to_lookup_where_a_batch_of_lookup_rows_is_priced_below_plain_decoding_and_its_drafts():
