@@ -4,6 +4,7 @@ REQUEST_WINDOW rounds) and when it goes back (`returns_to` over its last `return
 
     python -m bench.lookup_policy --domain code --split validation --prompts 8 --tokens 256 --windows 32,16,8,4
     python -m bench.lookup_policy --domain dialog --shape request     # the plain held-out requests
+    python -m bench.lookup_policy --domain code --tokens-alphas 0.01,0.001   # which drafter requests start on
 
 Each reply is played as the engine plays a lone request with lookup as its drafter: lookup rounds (the `propose`
 rule at `--gamma`, a round making its accepted tokens and one more) until the per-request rule drops it, then plain
@@ -82,6 +83,49 @@ def compare(sequences: list[tuple[list[int], list[int]]], windows: tuple[int, ..
     return out
 
 
+def lookup_rounds(prompt: list[int], reply: list[int], gamma: int) -> list[int]:
+    """Tokens each lookup round makes over a reply when every round is a lookup round (a replay, as
+    `engine.lookup.LookupShadow` keeps it for the governor)."""
+    from bench.tree_headroom import verified_step
+    from engine.lookup import LookupShadow
+
+    shadow, whole = LookupShadow(prompt, gamma), prompt + reply
+    shadow.extend(reply[:1])
+    pos, out = 1, []
+    while pos < len(reply):
+        made = verified_step(shadow.propose(len(prompt) + pos), whole, len(prompt) + pos - 1)
+        shadow.extend(reply[pos:pos + made])
+        pos += made
+        out.append(made)
+    return out
+
+
+def admissions(sequences: list[tuple[list[int], list[int]]], alphas: tuple[float, ...], gamma: int, round_s: float,
+               draft_s: float, passes: int = 4) -> dict:
+    """Which drafter a domain's requests start on (`SpeculationGovernor.choose` at batch 1): lookup priced as the pool's
+    round over the domain's replayed tokens a round (`observe_tokens`, a moving average of weight `alpha` a round),
+    against the draft's `draft_s` a token. The requests run `passes` times in turn (a warm-up pass first, not
+    counted), each replayed after its admission. -> {alpha: {"draft_starts", "against_own_reply", "admissions"}}:
+    a choice is against its own reply where that reply's lookup, replayed whole, is priced on the other side of the
+    draft (what the request would have been better started on, moves aside)."""
+    from engine.governor import _Rate
+
+    replays = [lookup_rounds(prompt, reply, gamma) for prompt, reply in sequences]
+    out = {}
+    for alpha in alphas:
+        rate, starts, wrong, counted = _Rate(), 0, 0, 0
+        for n in range(passes):
+            for rounds in replays:
+                if n:
+                    on_draft = round_s / rate.value > draft_s
+                    starts, counted = starts + on_draft, counted + 1
+                    wrong += on_draft != (round_s * len(rounds) / sum(rounds) > draft_s)
+                for t in rounds:
+                    rate.update(t, 1, alpha)
+        out[alpha] = {"draft_starts": starts, "against_own_reply": wrong, "admissions": counted}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="code")
@@ -95,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--round-ms", type=float, default=0.872, help="a lookup round at batch 1 (H200, run 38)")
     parser.add_argument("--plain-ms", type=float, default=0.722, help="a plain token at batch 1 (H200, run 38)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens-alphas", default=None, type=lambda v: tuple(float(a) for a in v.split(",") if a),
+                        help="instead of the windows: which drafter the domain's requests start on with the governor's "
+                             "tokens_alpha at each of these (`admissions`), e.g. 0.01,0.001")
+    parser.add_argument("--draft-ms", type=float, default=None,
+                        help="with --tokens-alphas: the domain's draft a token at batch 1 (default: the H200's, run 40's "
+                             "governor snapshot: code 0.45, general 0.62, dialog 0.64)")
     args = parser.parse_args(argv)
 
     import torch
@@ -108,6 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     prompts = prompts_of(args.shape, args.domain, loaded.tokenizer, args.prompts, args.split)
     whole = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
     sequences = [(p, w[len(p):]) for p, w in zip(prompts, whole)]
+    if args.tokens_alphas:
+        draft_ms = args.draft_ms or {"code": 0.45, "general": 0.62, "dialog": 0.64}[args.domain]
+        starts = admissions(sequences, args.tokens_alphas, args.gamma, args.round_ms * 1e-3, draft_ms * 1e-3)
+        print(json.dumps({"domain": args.domain, "split": args.split, "shape": args.shape, "prompts": len(prompts),
+                          "reply_tokens": args.tokens, "gamma": args.gamma, "draft_ms": draft_ms,
+                          "admissions": starts}), flush=True)
+        return
     rules = compare(sequences, args.windows, args.gamma, args.round_ms * 1e-3, args.plain_ms * 1e-3)
     print(json.dumps({"domain": args.domain, "split": args.split, "shape": args.shape, "prompts": len(prompts),
                       "reply_tokens": args.tokens, "gamma": args.gamma, "rules": rules}), flush=True)

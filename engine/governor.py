@@ -96,6 +96,14 @@ REQUEST_WINDOW = 32
 # could move, and at bs 1 a draft's token costs 2-4 times lookup's where the text repeats (H200, run 40: 154 draft
 # rounds a pass of 24 requests on 32 against 51 on 8; the service 0.7-1.4 % faster in two processes).
 RETURN_WINDOW = 8
+# The weight of one replayed round in a pooled drafter's tokens a round (`observe_tokens`), by default: about the last
+# 1,000 rounds, ten or more requests of a domain. What a domain's lookup is priced at decides which drafter its next
+# request starts on (`choose`), and replies of one domain differ far more in how much they repeat than domains do: with
+# the costs' alpha (0.01, about 100 rounds) the price followed the last request, so a request that did not repeat sent
+# the next few to their draft (H200, run 40: 51-154 draft rounds a pass of 24 requests at bs 1; none with 0.001, and
+# the service 2.9 % faster). Over our own splits' replies (`python -m bench.lookup_policy --tokens-alphas 0.01,0.001`,
+# bench/RESULTS.md run 40) 0.001 made fewer admission choices against what the request's own reply favoured.
+TOKENS_ALPHA = 0.001
 
 
 def _window(tokens: Sequence[int], size: int = REQUEST_WINDOW) -> tuple[float, float] | None:
@@ -120,7 +128,7 @@ def batch_bucket(rows: int) -> int:
 class SpeculationGovernor:
     def __init__(self, enabled: bool = True, alpha: float = 0.01, min_samples: int = 8, probe_every: int = 64,
                  tolerance: float = 1.0, probe_seconds: float = 30.0, error_weight: float = 1.0,
-                 return_window: int = RETURN_WINDOW, tokens_alpha: float | None = None,
+                 return_window: int = RETURN_WINDOW, tokens_alpha: float = TOKENS_ALPHA,
                  clock=time.monotonic) -> None:
         """tolerance: speculation stays on while spec_cost <= tolerance * plain_cost * (1 + error_weight * e),
         e the two estimates' combined relative standard error.
@@ -138,12 +146,14 @@ class SpeculationGovernor:
         return_window: the rounds a lone request's move to lookup is judged by, from plain decoding (`returns_to`,
         its replayed rounds) and from its draft (`prefers_alternative`, its own rounds and the replayed ones);
         REQUEST_WINDOW's at most, the replay keeps that many.
-        tokens_alpha: the moving average's weight of a pooled drafter's tokens a round (`observe_tokens`: one
-        sample a replayed round); alpha by default."""
+        tokens_alpha: the moving average's weight of a drafter's tokens a round (`observe_tokens`: one sample a
+        round, replayed or run; TOKENS_ALPHA)."""
         if not 2 <= return_window <= REQUEST_WINDOW:
             raise ValueError(f"return_window {return_window}: need 2..{REQUEST_WINDOW} rounds, e.g. {RETURN_WINDOW}")
         self.return_window = return_window
-        self.tokens_alpha = alpha if tokens_alpha is None else tokens_alpha
+        if not 0 < tokens_alpha <= 1:
+            raise ValueError(f"tokens_alpha {tokens_alpha}: need a weight in (0, 1], e.g. {TOKENS_ALPHA}")
+        self.tokens_alpha = tokens_alpha
         self.enabled = enabled
         self.alpha = alpha
         self.min_samples = min_samples

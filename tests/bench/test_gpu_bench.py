@@ -433,12 +433,12 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-2:] == [base, base + ", return window 32"]
     assert rows[base]().gov.return_window == RETURN_WINDOW and rows[base + ", return window 32"]().gov.return_window == 32
-    bench.args.governor_rows = governor_settings("tokens_alpha=0.001, return_window=4;return_window=16")
-    assert bench.args.governor_rows == ({"tokens_alpha": 0.001, "return_window": 4}, {"return_window": 16})
+    bench.args.governor_rows = governor_settings("tokens_alpha=0.01, return_window=4;return_window=16")
+    assert bench.args.governor_rows == ({"tokens_alpha": 0.01, "return_window": 4}, {"return_window": 16})
     rows = dict(lookup_rows(bench, workload, None, "", best))
-    assert list(rows)[-2:] == [base + ", governor tokens_alpha=0.001, return_window=4", base + ", governor return_window=16"]
-    row = rows[base + ", governor tokens_alpha=0.001, return_window=4"]()
-    assert (row.gov.tokens_alpha, row.gov.return_window) == (0.001, 4) and rows[base]().gov.tokens_alpha == 0.01
+    assert list(rows)[-2:] == [base + ", governor tokens_alpha=0.01, return_window=4", base + ", governor return_window=16"]
+    row = rows[base + ", governor tokens_alpha=0.01, return_window=4"]()
+    assert (row.gov.tokens_alpha, row.gov.return_window) == (0.01, 4) and rows[base]().gov.tokens_alpha == 0.001
     for bad in ("clock=1", "return_window", "nonsense=2"):
         with pytest.raises(argparse.ArgumentTypeError):
             governor_settings(bad)

@@ -36,3 +36,17 @@ def test_compare_prices_rules_against_plain_decoding_over_the_same_replies():
     assert alone["lookup throughout"]["speedup"] == pytest.approx(PLAIN / ROUND, rel=0.01)
     assert alone["return window 8"]["drops"] == 1 and alone["return window 8"]["returns"] == 0
     assert alone["return window 8"]["speedup"] > alone["lookup throughout"]["speedup"]
+
+
+def test_a_short_memory_of_a_domain_s_lookup_tokens_starts_the_request_after_one_that_did_not_repeat_on_its_draft():
+    """Three replies that repeat a phrase, then one that never does, in turn: priced from about the last 100 replayed
+    rounds (alpha 0.01) the request after the one that did not repeat starts on its draft, though its own reply
+    repeats (a choice against its own reply, each pass); from about the last 1,000 (0.001) every request starts on
+    lookup, and only the one that does not repeat is chosen against its reply."""
+    from bench.lookup_policy import admissions
+
+    repeater = lambda k: (list(range(10 * k, 10 * k + 10)), [7, 8, 9, 10, 11, 12] * 40)  # noqa: E731
+    never = (list(range(500, 510)), list(range(600, 840)))  # no token recurs: one token a round
+    got = admissions([repeater(1), repeater(2), never, repeater(3)], (0.01, 0.001), 8, ROUND, 0.45e-3)
+    assert got[0.001] == {"draft_starts": 0, "against_own_reply": 3, "admissions": 12}
+    assert got[0.01]["draft_starts"] >= 3 and got[0.01]["against_own_reply"] > got[0.001]["against_own_reply"]

@@ -619,7 +619,7 @@ def test_a_replayed_drafter_is_priced_from_its_pool_s_rounds_over_its_own_replay
     assert gov.snapshot()["pooled_tokens_per_round"]["general/lookup"] == 4
     # Batch 8, lookup not measured there: a row's round estimated from batch 1, 12 / 8 ms, over 4 tokens: 0.375 ms.
     assert gov.choose(["general", "general/lookup"], rows=8) == 0
-    gov.observe_tokens("general/lookup", "lookup", [1] * 400)  # replies that do not repeat: 12 ms a token
+    gov.observe_tokens("general/lookup", "lookup", [1] * 4000)  # ten requests that do not repeat: 12 ms a token
     assert gov.choose(["general", "general/lookup"]) == 0
     assert not gov.may_pay("general/lookup")  # dearer than plain decoding's 10 ms a token
 
