@@ -96,8 +96,8 @@ REQUEST_WINDOW = 32
 # could move, and at bs 1 a draft's token costs 2-4 times lookup's where the text repeats (H200, run 40: 154 draft
 # rounds a pass of 24 requests on 32 against 51 on 8; the service 0.7-1.4 % faster in two processes).
 RETURN_WINDOW = 8
-# The weight of one replayed round in a pooled drafter's tokens a round (`observe_tokens`), by default: about the last
-# 1,000 rounds, ten or more requests of a domain. What a domain's lookup is priced at decides which drafter its next
+# The weight of one round (replayed or run) in a lookup drafter's tokens a round (`observe_tokens`), by default: about
+# the last 1,000 rounds, ten or more requests of a domain. What a domain's lookup is priced at decides which drafter its next
 # request starts on (`choose`), and replies of one domain differ far more in how much they repeat than domains do: with
 # the costs' alpha (0.01, about 100 rounds) the price followed the last request, so a request that did not repeat sent
 # the next few to their draft (H200, run 40: 51-154 draft rounds a pass of 24 requests at bs 1; none with 0.001, and
