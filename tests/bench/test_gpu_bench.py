@@ -449,3 +449,30 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
                       base + ", plain calls timed from the step"]
     assert [rows[name]().eng.plain_timed_from_read for name in before] == [False, False]
     assert rows[base]().eng.plain_timed_from_read is True
+
+
+def test_paths_sum_a_pass_s_tokens_by_the_drafter_each_round_ran():
+    """Draft rounds and lookup rounds by the drafter each ran (an alternative's name is "<draft>/<its name>"), plain
+    decoding's tokens as the rest of each request's (its prefill's first token included), and requests that moved."""
+    from types import SimpleNamespace
+
+    from bench.gpu import paths
+    from engine.lookup import LookupDraft
+    from engine.requests import SpecStats
+
+    def out(tokens: int, by: dict | None):
+        stats = None
+        if by is not None:
+            stats = SpecStats()
+            stats.by_drafter = {name: list(counts) for name, counts in by.items()}
+        return SimpleNamespace(token_ids=list(range(tokens)), stats=stats)
+
+    drafts = {"code": object(), "lookup": LookupDraft()}
+    outs = [out(20, {"code/lookup": (6, 19)}),  # lookup throughout: its prefill's token is the only plain one
+            out(20, {"code": (4, 9), "code/lookup": (2, 6)}),  # its draft, then lookup, then plain decoding
+            out(10, None),  # plain decoding throughout
+            out(12, {"code/lookup": (3, 5)})]  # dropped to plain decoding after 3 rounds
+    assert paths(outs, drafts) == {"draft_rounds": 4, "draft_tokens": 9, "lookup_rounds": 11, "lookup_tokens": 30,
+                                   "plain_tokens": 1 + 5 + 10 + 7, "requests_moved": 2}
+    # A row whose requests name the lookup drafter under their domain (bench.gpu's lookup rows): lookup rounds.
+    assert paths([out(20, {"code": (6, 19)})], {"code": LookupDraft()})["lookup_rounds"] == 6
