@@ -566,6 +566,11 @@ class EngineRow:
         return row
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """'5,8' -> (5, 8): a flag's comma-separated integers."""
+    return tuple(int(v) for v in text.split(",") if v)
+
+
 def governor_settings(text: str) -> tuple[dict, ...]:
     """'a=1,b=0.5;c=2' -> ({'a': 1, 'b': 0.5}, {'c': 2}): `--governor-rows`' keywords of SpeculationGovernor, a
     row each."""
@@ -805,16 +810,17 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         if getattr(bench.args, "lookup_replay", False):  # the same with lookup priced from replays, or not at all
             rows += [service("replayed at every batch size, ", lookup_replay=True),
                      service("not replayed, ", lookup_replay=False)]
-    for window in getattr(bench.args, "return_window", ()) if best else ():  # the way back's window, side by side
-        rows.append(service(after=f", return window {window}", governor_kw={"return_window": window}))
+    settings = [(f", return window {w}", {"return_window": w}) for w in getattr(bench.args, "return_window", ())]
+    settings += [(", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), kw)
+                 for kw in getattr(bench.args, "governor_rows", ())]
     if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
         step = {"plain_timed_from_read": False}
         rows.append(alone(lookup, top, ", governor, overlapped, plain calls timed from the step", governor=True,
                           overlap=True, engine_attrs=step))
         if best:
             rows.append(service(after=", plain calls timed from the step", engine_attrs=step))
-    for kw in getattr(bench.args, "governor_rows", ()) if best else ():  # the governor's settings, side by side
-        rows.append(service(after=", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), governor_kw=kw))
+    for after, kw in settings if best else ():  # the governor's settings (the way back's window, ...), side by side
+        rows.append(service(after=after, governor_kw=kw))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
         rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
@@ -1027,23 +1033,23 @@ def main() -> None:
                         help="engine rows to run, as ';'-separated parts of their names (each cell's first row, "
                              "what its ratios are against, always runs), e.g. 'overlapped' or 'lookup;governor'")
     parser.add_argument("--hf-modes", default="eager,static,lookup", help="transformers generate rows to run")
-    parser.add_argument("--blocks", default="5,2", type=lambda v: tuple(int(b) for b in v.split(",")),
+    parser.add_argument("--blocks", default="5,2", type=int_list,
                         help="block sizes of the best-draft rows (the governor row always uses 5)")
-    parser.add_argument("--gammas", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+    parser.add_argument("--gammas", default=(), type=int_list,
                         help="best-draft rows at these fixed gammas too (block = gamma: one verify a round), e.g. 3")
     parser.add_argument("--gammas-overlapped", action="store_true",
                         help="each --gammas row again with overlapped calls (DecodeEngine(overlap=True))")
-    parser.add_argument("--trees", default=(), type=lambda v: tuple(int(w) for w in v.split(",") if w),
+    parser.add_argument("--trees", default=(), type=int_list,
                         help="best-draft rows with draft trees of these widths (engine.tree; greedy rounds at batch 1), "
                              "at gamma 5 and in the service's setting (adaptive gamma, governor, overlapped), e.g. 2,3,4")
-    parser.add_argument("--lookup", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+    parser.add_argument("--lookup", default=(), type=int_list,
                         help="rows whose requests name an n-gram lookup drafter (engine.lookup.LookupDraft) at these "
                              "gammas, alone and overlapped, and at the largest with the governor, e.g. 5,8")
     parser.add_argument("--lookup-before-repeat", action="store_true",
                         help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
                              "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
                              "repeat=False)), side by side")
-    parser.add_argument("--return-window", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+    parser.add_argument("--return-window", default=(), type=int_list,
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "
                              "these, e.g. 32")
@@ -1055,7 +1061,7 @@ def main() -> None:
                         help="with --lookup: also the service's setting with each of these governor settings "
                              "(SpeculationGovernor's keywords; ';' between rows, ',' between keywords), e.g. "
                              "'tokens_alpha=0.001;return_window=4'")
-    parser.add_argument("--lookup-lone", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
+    parser.add_argument("--lookup-lone", default=(), type=int_list,
                         help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
                              "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "
                              "e.g. 12,15")

@@ -84,20 +84,11 @@ def compare(sequences: list[tuple[list[int], list[int]]], windows: tuple[int, ..
 
 
 def lookup_rounds(prompt: list[int], reply: list[int], gamma: int) -> list[int]:
-    """Tokens each lookup round makes over a reply when every round is a lookup round (a replay, as
-    `engine.lookup.LookupShadow` keeps it for the governor)."""
-    from bench.tree_headroom import verified_step
+    """Tokens each lookup round would make over a reply, replayed as the governor gets them (`LookupShadow.extend`,
+    `SpeculationGovernor.observe_tokens`); a last round the reply ends inside is not counted."""
     from engine.lookup import LookupShadow
 
-    shadow, whole = LookupShadow(prompt, gamma), prompt + reply
-    shadow.extend(reply[:1])
-    pos, out = 1, []
-    while pos < len(reply):
-        made = verified_step(shadow.propose(len(prompt) + pos), whole, len(prompt) + pos - 1)
-        shadow.extend(reply[pos:pos + made])
-        pos += made
-        out.append(made)
-    return out
+    return LookupShadow(prompt, gamma).extend(reply)
 
 
 def admissions(sequences: list[tuple[list[int], list[int]]], alphas: tuple[float, ...], gamma: int, round_s: float,

@@ -1088,7 +1088,7 @@ class DecodeEngine:
         # Calls run back to back on the device: the time since the last one's tokens were read is this one's cost,
         # the host's work between the reads included, as a chained round's (`_resolve_round`). Timed from this
         # step's start instead, the host's work fell outside every sample: on the H200 at batch 1 plain decoding
-        # passed for 0.73 ms a token where the service's passes made its tokens at about 0.78.
+        # passed for 0.65-0.67 ms a token against 0.73-0.74 timed from the last read (bench/RESULTS.md run 40).
         now = time.perf_counter()
         seconds = now - (self._plain_clock if self.plain_timed_from_read else t0)
         self._plain_clock = now
