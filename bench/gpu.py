@@ -27,6 +27,9 @@ keywords);
 `--plain-timing step` adds lookup under the governor and the service's setting again with an overlapped plain call
 priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
+`--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
+accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
+without a streak gamma (and at each streak gamma other than its default);
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
@@ -780,7 +783,7 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     and overlapped, and at the largest in the service's setting (governor, overlapped); with `best` (the best
     drafts), also the service's setting where each draft has the lookup drafter as an alternative and the governor
     picks per domain and batch size, from measured costs, which one a request runs."""
-    from engine.lookup import LookupDraft
+    from engine.lookup import DEFAULT_STREAK_GAMMAS, LookupDraft
 
     gammas = getattr(bench.args, "lookup", ())
     if not gammas:
@@ -800,7 +803,7 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                 lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
                                          overlap=True, lookup_alternative=alternative, **kw))
 
-    lookup = LookupDraft(gammas={})  # each row's gamma at every batch size
+    lookup = LookupDraft(gammas={}, streak_gammas={})  # each row's gamma at every batch size, every round
     rows = []
     for gamma in gammas:
         rows += [alone(lookup, gamma, ""), alone(lookup, gamma, ", overlapped", overlap=True)]
@@ -823,6 +826,14 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         rows.append(service(after=after, governor_kw=kw))
     for lone in getattr(bench.args, "lookup_lone", ()) if best else ():  # a lone row's lookup gamma, side by side
         rows.append(service(after=f", lone lookup gamma {lone}", alternative=LookupDraft(gammas={1: lone})))
+    streaks = getattr(bench.args, "lookup_streaks", ())
+    for streak in streaks:  # a lone row's gamma after a round that accepted everything, side by side
+        after = f", {streak} after a full round"
+        rows.append(alone(LookupDraft(gammas={}, streak_gammas={1: streak}), top, ", overlapped" + after, overlap=True))
+        if best and {1: streak} != DEFAULT_STREAK_GAMMAS:
+            rows.append(service(after=", lone lookup" + after, alternative=LookupDraft(streak_gammas={1: streak})))
+    if streaks and best:
+        rows.append(service(after=", no streak gamma", alternative=LookupDraft(streak_gammas={})))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         before = ", rule before the repeat"
         old = LookupDraft(min_n=2, gammas={}, repeat=False)
@@ -1065,6 +1076,10 @@ def main() -> None:
                         help="with --lookup: also the service's setting with a lone greedy row's lookup gamma at each "
                              "of these (LookupDraft(gammas={1: G}); the default is engine.lookup.DEFAULT_GAMMAS), "
                              "e.g. 12,15")
+    parser.add_argument("--lookup-streaks", default=(), type=int_list,
+                        help="with --lookup: also lookup alone at the largest gamma with a lone row's rounds at each of "
+                             "these after a round that accepted everything (LookupDraft(streak_gammas={1: S}); the "
+                             "alone rows run without), and the service's setting without a streak gamma, e.g. 15")
     parser.add_argument("--lookup-replay", action="store_true",
                         help="with --lookup: also the service's setting with lookup priced from replays of every "
                              "greedy request (DecodeEngine(lookup_replay=True)) and from none (False), beside the "

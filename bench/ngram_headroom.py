@@ -4,6 +4,7 @@ target's greedy replies, alone and beside the domain's draft.
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 192 --gamma 5
     python -m bench.ngram_headroom --domain dialog --shape request     # the plain held-out requests
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --rules 5,8   # the rule's variants
+    python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --streaks 8:15  # a streak's gamma
 
 Prompt lookup (n-gram) drafting proposes, after the request's last n tokens, the tokens that followed the
 most recent earlier occurrence of those n tokens in the prompt or the reply so far (n = max_n down to
@@ -29,6 +30,7 @@ plays the plain requests (`training.evaluate.held_out_prompts`).
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 
@@ -85,6 +87,25 @@ def lookup_rounds(sequences: list[list[int]], starts: list[int], lookup: Callabl
             made += step
             t += step
     return made / max(rounds, 1)
+
+
+def streak_rounds(sequences: list[list[int]], starts: list[int], gamma: int, streak: int | None, lag: int = 2,
+                  cost: float = 1.0) -> dict:
+    """A lone lookup row's rounds over known greedy replies as the governor replays them (`LookupShadow`): each
+    round proposes `gamma`, or `streak` where the round `lag` rounds before it accepted everything it proposed
+    (`LookupDraft.streak_gammas`; None: never). A round of more tokens than `gamma` costs `cost` of one of gamma
+    (its verify pass is longer). -> rounds, streak rounds, tokens a round and tokens per unit of round cost."""
+    from engine.lookup import LookupShadow
+
+    rounds = made = long = 0
+    for seq, start in zip(sequences, starts):
+        shadow = LookupShadow(seq[:start], gamma, streak_gamma=streak, lag=lag)
+        for n in shadow.extend(seq[start:]):
+            rounds, made = rounds + 1, made + n
+        long += shadow.streak_rounds
+    spent = rounds + long * (cost - 1.0)
+    return {"rounds": rounds, "streak_rounds": long, "tokens_per_round": made / max(rounds, 1),
+            "tokens_per_cost": made / max(spent, 1e-9)}
 
 
 # --rules: the lookup rule's variants, (min_n, repeat); with max_n 3 the first is the rule before run 38.
@@ -145,6 +166,21 @@ def prompts_of(shape: str, domain: str, tokenizer, n: int, split: str) -> list[l
     return longs
 
 
+def streak_pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """"8:15,5:12" -> ((8, 15), (5, 12)): a gamma and the longer one after a full round."""
+    pairs = []
+    for item in (t for t in text.split(",") if t):
+        gamma, _, streak = item.partition(":")
+        try:
+            pair = (int(gamma), int(streak))
+        except ValueError:
+            pair = (0, 0)
+        if not 1 <= pair[0] < pair[1]:
+            raise argparse.ArgumentTypeError(f"{item!r}: give GAMMA:STREAK with 1 <= GAMMA < STREAK, e.g. 8:15")
+        pairs.append(pair)
+    return tuple(pairs)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = replies_parser(__doc__.splitlines()[0], "greedy reply tokens per prompt")
     parser.add_argument("--gamma", type=int, default=5, help="tokens a round drafts or looks up")
@@ -154,6 +190,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rules", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="only the lookup rule's variants (n down to 2 or 1, with or without repeating a run's "
                              "period) at these gammas, e.g. 5,8: tokens a round where every round is a lookup round")
+    parser.add_argument("--streaks", default=(), type=streak_pairs,
+                        help="only a lone lookup row's rounds at GAMMA and at STREAK after a round that accepted "
+                             "everything (LookupDraft.streak_gammas), e.g. 8:15, beside each gamma throughout")
+    parser.add_argument("--streak-lag", type=int, default=2,
+                        help="--streaks: the rounds between a round and the one whose outcome sets its gamma (2: an "
+                             "overlapped engine, 1: one reading each round first)")
+    parser.add_argument("--streak-cost", type=float, default=1.075,
+                        help="--streaks: a round of the longer gamma's cost in rounds of GAMMA (H200 run 39: 15 "
+                             "against 8, 0.974 / 0.906 ms a step)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="above 0: replies sampled at it, and a lookup round's expected tokens at every position "
                              "where lookup proposes (no draft rows)")
@@ -189,6 +234,17 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({**head, "gamma": gamma, "n": [min_n, args.max_n], "rule": name,
                               "tokens_per_round": round(rate, 3)}), flush=True)
     if args.rules:
+        return
+    for gamma, streak in args.streaks:
+        plays = {f"gamma {gamma}": streak_rounds(sequences, starts, gamma, None),
+                 f"gamma {streak}": streak_rounds(sequences, starts, streak, None, cost=args.streak_cost),
+                 f"gamma {gamma}, {streak} after a full round": streak_rounds(
+                     sequences, starts, gamma, streak, args.streak_lag, args.streak_cost)}
+        plays[f"gamma {streak}"]["tokens_per_cost"] /= args.streak_cost  # every round is of the longer gamma
+        for name, got in plays.items():
+            print(json.dumps({**head, "play": name, "lag": args.streak_lag, "streak_cost": args.streak_cost,
+                              **{k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}}), flush=True)
+    if args.streaks:
         return
     if args.temperature > 0:
         got = expected_lookup_tokens(loaded.model, sequences, starts, lookup, args.temperature)

@@ -88,22 +88,31 @@ class LookupShadow:
     holds matching by chance), so it may understate lookup by those. An n-gram index per n keeps it O(1) a token."""
 
     def __init__(self, prompt_ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1, window: int = 32,
-                 repeat: bool = True) -> None:
-        if gamma < 1 or not 1 <= min_n <= max_n:
-            raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
+                 repeat: bool = True, streak_gamma: int | None = None, lag: int = 2) -> None:
+        if gamma < 1 or not 1 <= min_n <= max_n or (streak_gamma is not None and streak_gamma < 1) or lag < 1:
+            raise ValueError(f"gamma {gamma}, streak gamma {streak_gamma}, n {min_n}..{max_n}, lag {lag}: need gammas "
+                             f">= 1, 1 <= min_n <= max_n and lag >= 1")
         self.gamma, self.max_n, self.min_n, self.repeat = gamma, max_n, min_n, repeat
+        # A round's gamma is `streak_gamma` (None: never) where the round `lag` rounds before it accepted every token
+        # it proposed (`LookupDraft.streak_gammas`): lag 2 as an overlapped engine chooses it (a round is launched
+        # before the one before it is read), 1 as an engine reading each round before it launches the next.
+        self.streak_gamma, self.lag = streak_gamma, lag
+        self._full: collections.deque = collections.deque(maxlen=lag)  # its last rounds: each accepted everything?
         self.seq = list(prompt_ids)
         self.start = len(self.seq) + 1  # the first round's history: the prompt and the prefill's token
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = {n: 0 for n in self._index}  # next start of an n-gram to index
         self.rounds = 0
         self.tokens = 0
+        self.streak_rounds = 0  # rounds at the streak gamma
         self.recent: collections.deque = collections.deque(maxlen=window)  # tokens of its last rounds
         self._proposal: list[int] | None = None
+        self._gamma = gamma  # the gamma of the round at `start`
 
-    def propose(self, length: int) -> list[int]:
-        """The proposal after the history's first `length` tokens (`engine.lookup.propose` on one row, only the
-        tokens it counts)."""
+    def propose(self, length: int, gamma: int | None = None) -> list[int]:
+        """The proposal of `gamma` (default its gamma) after the history's first `length` tokens
+        (`engine.lookup.propose` on one row, only the tokens it counts)."""
+        gamma = self.gamma if gamma is None else gamma
         seq = self.seq
         for n in range(self.max_n, self.min_n - 1, -1):
             index = self._index[n]
@@ -119,7 +128,7 @@ class LookupShadow:
                 continue
             at = index.get(tuple(seq[length - n:length]))
             if at is not None:
-                return continuation(seq, at + n, length, self.gamma, self.repeat)
+                return continuation(seq, at + n, length, gamma, self.repeat)
         return []
 
     def extend(self, tokens: list[int]) -> list[int]:
@@ -128,7 +137,9 @@ class LookupShadow:
         made = []
         while True:
             if self._proposal is None:  # the proposal of the round at `start`, kept while its outcome is not known
-                self._proposal = self.propose(self.start)
+                full = self.streak_gamma is not None and len(self._full) == self.lag and self._full[0]
+                self._gamma = self.streak_gamma if full else self.gamma
+                self._proposal = self.propose(self.start, self._gamma)
             proposal = self._proposal
             if len(self.seq) < self.start + len(proposal) + 1:
                 # Not known yet: a round's outcome needs the reply up to its last proposed token and one more
@@ -140,6 +151,8 @@ class LookupShadow:
             while accepted < len(proposal) and self.seq[self.start + accepted] == proposal[accepted]:
                 accepted += 1
             made.append(accepted + 1)
+            self._full.append(accepted == self._gamma)
+            self.streak_rounds += self._gamma != self.gamma
             self.start += accepted + 1
             self._proposal = None
         self.rounds += len(made)
@@ -153,6 +166,14 @@ class LookupShadow:
 # gamma 8 ran 0.79x of gamma 5's tokens/s: every row pays for the longest verify; run 37). A lone row at 12 or 15
 # ran slower than at 8 (run 39: 6 % more tokens a round on the benchmark's replies for a round 7.5 % dearer).
 DEFAULT_GAMMAS = {1: 8}
+# A greedy lookup round's gamma by batch-size bucket after a round of the batch's rows accepted every token it proposed
+# (every row's last committed round did; `DecodeEngine.lookup_gamma`). Text that just repeated itself for a whole
+# round tends to go on repeating, and a round after a miss proposes again at the bucket's gamma, so a long proposal
+# is paid for mostly where it is taken. Over our own splits' greedy replies (`python -m bench.ngram_headroom --streaks
+# 8:15`), with a 15-token round priced 1.075 of an 8-token one (the H200, run 39), tokens per unit of round cost
+# rose in every cell (+5 to +28 % long prompts, +1.4 to +2.4 % plain requests), where gamma 15 throughout lost on
+# plain requests.
+DEFAULT_STREAK_GAMMAS = {1: 15}
 # The most tokens a greedy lookup round may propose: its verify pass (gamma + 1 tokens a row) stays within the steps
 # the compiled layer kernels and the attention kernel serve (engine.fused.MAX_COMPILED_TOKENS, 16 tokens a row).
 # The engine's cache margin holds it whatever its own gamma (`DecodeEngine.margin`), so a lookup drafter's gamma
@@ -168,8 +189,9 @@ class LookupDraft:
     `gammas`: the tokens a greedy lookup round proposes, by batch-size bucket (1, 2, 4, ...), where it differs from
     the engine's gamma (default `DEFAULT_GAMMAS`; `{}`: the engine's at every batch size), at most `MAX_GAMMA`
     (the engine's cache margin holds that much whatever its own gamma; `DecodeEngine.lookup_gamma`). Sampled
-    rounds take the engine's gamma: a seeded request's draws must not depend on its batch. `max_n`, `min_n`,
-    `repeat`: the rule (`propose`)."""
+    rounds take the engine's gamma: a seeded request's draws must not depend on its batch. `streak_gammas`: a
+    greedy round's gamma by bucket after a round that accepted every token it proposed (default
+    `DEFAULT_STREAK_GAMMAS`; `{}`: never), at most `MAX_GAMMA`. `max_n`, `min_n`, `repeat`: the rule (`propose`)."""
 
     shared_layers = 0
     adapter_layers = 0
@@ -177,32 +199,39 @@ class LookupDraft:
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, max_n: int = 3, min_n: int = 1, gammas: dict[int, int] | None = None,
-                 repeat: bool = True) -> None:
+                 repeat: bool = True, streak_gammas: dict[int, int] | None = None) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=3, min_n=1")
         gammas = dict(DEFAULT_GAMMAS if gammas is None else gammas)
-        bad = {b: g for b, g in gammas.items()
-               if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0
-                       and 1 <= g <= MAX_GAMMA)}
-        if bad:
-            raise ValueError(f"lookup gammas {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma 1..{MAX_GAMMA}}}, "
-                             f"e.g. {{1: 8}}")
+        streak_gammas = dict(DEFAULT_STREAK_GAMMAS if streak_gammas is None else streak_gammas)
+        for what, table, example in (("gammas", gammas, "{1: 8}"), ("streak gammas", streak_gammas, "{1: 15}")):
+            bad = {b: g for b, g in table.items()
+                   if not (isinstance(b, int) and isinstance(g, int) and b >= 1 and b & (b - 1) == 0
+                           and 1 <= g <= MAX_GAMMA)}
+            if bad:
+                raise ValueError(f"lookup {what} {bad}: need {{batch-size bucket (1, 2, 4, ...): gamma "
+                                 f"1..{MAX_GAMMA}}}, e.g. {example}")
         self.max_n, self.min_n, self.gammas, self.repeat = max_n, min_n, gammas, repeat
+        self.streak_gammas = streak_gammas
 
     @property
     def rule(self) -> tuple[int, int, bool]:
         """(max_n, min_n, repeat): `propose`'s settings."""
         return self.max_n, self.min_n, self.repeat
 
-    def gamma_at(self, bucket: int, default: int) -> int:
-        """A greedy round's gamma at this batch-size bucket (`default`: the engine's)."""
+    def gamma_at(self, bucket: int, default: int, streak: bool = False) -> int:
+        """A greedy round's gamma at this batch-size bucket (`default`: the engine's); `streak`: after a round that
+        accepted every token it proposed (`streak_gammas`, where the bucket has one)."""
+        if streak and bucket in self.streak_gammas:
+            return self.streak_gammas[bucket]
         return self.gammas.get(bucket, default)
 
     def trainable_parameters(self) -> list:
         return []
 
     def __repr__(self) -> str:
-        return f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas}, repeat={self.repeat})"
+        return (f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas}, repeat={self.repeat}, "
+                f"streak_gammas={self.streak_gammas})")
 
 
 def is_lookup(draft) -> bool:

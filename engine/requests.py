@@ -131,6 +131,9 @@ class SlotState:
     # over its tokens since it went plain (`DecodeEngine._watch_lookup`), and what it would run, (name, drafter).
     comeback: object | None = None
     comeback_to: tuple | None = None
+    # A lookup row whose last committed round accepted every token it proposed: its next round may propose more
+    # (`engine.lookup.LookupDraft.streak_gammas`).
+    lookup_streak: bool = False
     length: int = 0  # tokens whose KV is in the cache (= position of `pending`)
     pending: int = -1  # last produced token, not yet run through the model
     output_ids: list[int] = dataclasses.field(default_factory=list)

@@ -136,6 +136,7 @@ class DecodeEngine:
         self._round_clock = 0.0  # when the host last read a speculative round's outcome
         self._plain_clock = 0.0  # when the host last read an overlapped plain call's tokens
         self._scatter_rows = False  # warm-up: run rows 0..b-1 as the scattered rows' graphs do
+        self._streak_forced: bool | None = None  # warm-up: lookup rounds at the streak gamma (True) or not (False)
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
@@ -411,13 +412,17 @@ class DecodeEngine:
                         for mix in mixes:
                             if len(mix) > 1 and b < 2:
                                 continue  # one row holds one draft
-                            for gamma, width in (arms if mix != [None] else [(None, 1)]):
+                            cases = [(gamma, width, None) for gamma, width in (arms if mix != [None] else [(None, 1)])]
+                            if kind == "greedy" and self._streaks_at(mix, b):  # lookup rounds at the streak gamma too
+                                cases.append((None, 1, True))
+                            for gamma, width, streak in cases:
                                 if width > 1 and (len(mix) > 1 or b > self.spec.tree_max_batch
                                                   or (gamma is None and kind == "greedy")):
                                     continue  # such rounds never take a tree (or took it already)
                                 if stop is not None and stop():
                                     return self.graphs.captures - before  # (the finally clause still runs)
                                 self.gamma.forced, self.gamma.forced_width = gamma, width
+                                self._streak_forced = streak
                                 # Seeded sampled rows keep the chain (engine.tree): tree graphs need unseeded ones.
                                 run = params if width == 1 or kind == "greedy" else dataclasses.replace(params, seed=None)
                                 generate(self, prompts, run, draft=[mix[i % len(mix)] for i in range(b)])
@@ -427,11 +432,20 @@ class DecodeEngine:
             self.governor = governor
             self.gamma.forced, self.gamma.forced_width = None, 1
             self._scatter_rows = False
+            self._streak_forced = None
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
             self.slots = [None] * self.max_batch_size
             self._wait_ahead()
             self._ahead = None  # nor an overlapped call of one
         return self.graphs.captures - before
+
+    def _streaks_at(self, mix: list[str | None], rows: int) -> bool:
+        """Whether a batch of `rows` rows of this mix (row i holds mix[i % len(mix)]) has lookup rows whose rounds
+        (at their own count's bucket, `_lookup_round`) have a streak gamma of their own."""
+        looks = [self.drafts[mix[i % len(mix)]] for i in range(rows)
+                 if mix[i % len(mix)] is not None and is_lookup(self.drafts[mix[i % len(mix)]])]
+        n = len(looks)
+        return bool(looks) and self.lookup_gamma(looks[0], n, streak=True) != self.lookup_gamma(looks[0], n)
 
     def _warm_prefill(self, mixes: list[list[str | None]], buckets: list[int], stop: Callable[[], bool] | None) -> None:
         """With prefill graphs: capture the prefill pass of every padded prompt length (16, 32, ... the cache) for
@@ -525,6 +539,7 @@ class DecodeEngine:
             if self.slots[s.slot] is not s:
                 continue  # stopped or cancelled while an overlapped round ran: its tokens are past its end
             s.stats.record(result.drafted[i], result.num_accepted[i], result.verify_passes[i], s.draft_name)
+            s.lookup_streak = is_lookup(s.draft) and result.num_accepted[i] == result.drafted[i] > 0
             if is_lookup(s.draft) and s.shadow is None and not s.history_refills and self._governor_decides(s.request):
                 # A lookup row's tokens a round, whatever shared its round (replays report them where they run).
                 self.governor.observe_tokens(governed(s.request, s.draft_name), None, [result.num_accepted[i] + 1])
@@ -563,6 +578,7 @@ class DecodeEngine:
     def _move_to_lookup(self, s: SlotState, name: str, draft) -> None:
         """A row goes on with a lookup drafter (from its draft, or from plain decoding), judged under `name`."""
         s.draft, s.draft_name, s.switched_at = draft, name, s.stats.rounds
+        s.lookup_streak = False  # its first lookup round proposes the bucket's gamma
         s.stats.recent.clear()  # the per-request rule judges lookup by its own rounds
         s.comeback = s.comeback_to = None  # on lookup now: nothing to watch for (`_watch_lookup`)
         # Now, and once more at its next commit (`_commit`) if a call was already launched for it (overlap): that one
@@ -698,21 +714,29 @@ class DecodeEngine:
         return RoundResult([r.tokens[i] for r, i in picked], [r.num_accepted[i] for r, i in picked],
                            [r.drafted[i] for r, i in picked], [r.verify_passes[i] for r, i in picked])
 
-    def lookup_gamma(self, draft, rows: int, greedy: bool = True) -> int:
+    def lookup_gamma(self, draft, rows: int, greedy: bool = True, streak: bool = False) -> int:
         """The tokens a round of `rows` rows of lookup drafter `draft` proposes: greedy, the drafter's gamma at the
-        batch's bucket (`LookupDraft.gammas`, at most `engine.lookup.MAX_GAMMA`, which the cache margin holds);
-        sampled, the engine's gamma."""
+        batch's bucket (`LookupDraft.gammas`; `streak`, after a round that accepted every token it proposed:
+        `LookupDraft.streak_gammas`; at most `engine.lookup.MAX_GAMMA`, which the cache margin holds); sampled, the
+        engine's gamma."""
         gamma = self.spec.num_speculative_tokens
-        return draft.gamma_at(self.batch_bucket(rows), gamma) if greedy else gamma
+        return draft.gamma_at(self.batch_bucket(rows), gamma, streak) if greedy else gamma
+
+    def _next_lookup_gamma(self, rows: list[SlotState], greedy: bool) -> int:
+        """The gamma of the rows' next lookup round: the streak gamma where every row's last committed round accepted
+        every token it proposed (`SlotState.lookup_streak`). A round launched before the one in flight is read
+        (overlap) goes by the round before that one."""
+        streak = all(s.lookup_streak for s in rows) if self._streak_forced is None else self._streak_forced
+        return self.lookup_gamma(rows[0].draft, len(rows), greedy, streak)
 
     def _lookup_round(self, rows: list[SlotState]):
         """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at `lookup_gamma`;
         with `overlap`, the batch's next one is launched from its outcome on the device first."""
         greedy = all(s.request.params.greedy for s in rows)
-        gamma = self.lookup_gamma(rows[0].draft, len(rows), greedy)
+        gamma = self._next_lookup_gamma(rows, greedy)
         packed, pos0 = launch_lookup_round(self, rows, gamma, max(s.length for s in rows) + gamma + 2, greedy)
         host, ready = _fetch(packed)
-        if self._may_overlap_round(rows):
+        if self._may_overlap_round(rows, gamma):
             self._ahead = self._launch_next_round(rows, packed, pos0, gamma, greedy)
         result = round_result(_read(host, ready), gamma)
         self._round_clock = time.perf_counter()
@@ -727,7 +751,7 @@ class DecodeEngine:
         drafts = [s.draft for s in spec_rows]
         gamma = spec.num_speculative_tokens
         greedy = all(s.request.params.greedy for s in spec_rows)
-        if self._may_overlap_round(spec_rows) and captured_path(self, drafts, spec, spec_rows, greedy):
+        if self._may_overlap_round(spec_rows, gamma) and captured_path(self, drafts, spec, spec_rows, greedy):
             packed, pos0 = launch_round(self, spec_rows, drafts, gamma, max(s.length for s in spec_rows) + gamma + 2,
                                         greedy, cfg=spec)
             host, ready = _fetch(packed)
@@ -739,13 +763,13 @@ class DecodeEngine:
         self._report_round(report, gamma, self._round_clock - t0 if self._cold_events() == cold else None, result)
         return result
 
-    def _may_overlap_round(self, batch: list[SlotState]) -> bool:
-        """Whether the batch's next round may be launched before the host reads the one in flight (`_may_chain`):
-        every row speculates and wants two more full rounds."""
-        gamma = self.spec.num_speculative_tokens
+    def _may_overlap_round(self, batch: list[SlotState], gamma: int) -> bool:
+        """Whether the batch's next round may be launched before the host reads the one in flight, which drafts
+        `gamma` (`_may_chain`): every row speculates and wants both rounds' tokens in full."""
         if batch and all(is_lookup(s.draft) for s in batch):
-            gamma = max(gamma, self.lookup_gamma(batch[0].draft, len(batch)))
-        return self._may_chain(batch, 2 * (gamma + 1), speculating=True)
+            following = self._next_lookup_gamma(batch, all(s.request.params.greedy for s in batch))
+            return self._may_chain(batch, gamma + 1 + following + 1, speculating=True)
+        return self._may_chain(batch, 2 * (self.spec.num_speculative_tokens + 1), speculating=True)
 
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
         """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
@@ -768,10 +792,11 @@ class DecodeEngine:
         which drafted `gamma` from positions pos0 (b,) at the committed lengths; None if this round would not be
         one graph (the gamma controller's pick). A batch of lookup rows chains its next lookup round."""
         if all(is_lookup(s.draft) for s in batch):
-            kv_len = max(s.length for s in batch) + 2 * gamma + 3
-            nxt, npos = launch_lookup_round(self, batch, gamma, kv_len, greedy, pending=packed[:, 1],
+            g = self._next_lookup_gamma(batch, greedy)
+            kv_len = max(s.length for s in batch) + gamma + 1 + g + 2  # the longest row accepting everything in flight
+            nxt, npos = launch_lookup_round(self, batch, g, kv_len, greedy, pending=packed[:, 1],
                                             pos0=pos0 + packed[:, 0] + 1)
-            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, gamma, kind="round", report=None, greedy=greedy)
+            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=greedy)
         spec, report = self._round_spec(batch)
         drafts = [s.draft for s in batch]
         if not captured_path(self, drafts, spec, batch, greedy):
@@ -885,7 +910,10 @@ class DecodeEngine:
     def _replay(self, draft, history: list[int]) -> LookupShadow:
         """Lookup drafter `draft`'s rounds replayed from `history` on, as a lone row runs them (its gamma at batch 1,
         its rule)."""
-        return LookupShadow(history, self.lookup_gamma(draft, 1), draft.max_n, draft.min_n, repeat=draft.repeat)
+        gamma, streak = self.lookup_gamma(draft, 1), self.lookup_gamma(draft, 1, streak=True)
+        return LookupShadow(history, gamma, draft.max_n, draft.min_n, repeat=draft.repeat,
+                            streak_gamma=streak if streak != gamma else None,
+                            lag=2 if self.overlap and self.graphs.enabled else 1)
 
     def _candidates(self, req: Request) -> list[tuple[str, Draft]]:
         """(the name it is judged under, the drafter) for a request's own draft, then for each of its draft's loaded
@@ -1109,7 +1137,7 @@ class DecodeEngine:
         unchanged, then read it and commit it for the rows still running."""
         batch = ahead.batch
         cold = self._cold_events()
-        if self._may_overlap_round(batch):
+        if self._may_overlap_round(batch, ahead.steps):
             self._ahead = self._launch_next_round(batch, ahead.tokens, ahead.pos, ahead.steps, ahead.greedy)
         result = round_result(_read(ahead.host, ahead.ready), ahead.steps)
         now = time.perf_counter()

@@ -414,6 +414,41 @@ def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_targ
     assert all("lone lookup gamma" not in name for name in dict(lookup_rows(bench, workload, None, "", best)))
 
 
+def test_lookup_streak_rows_run_lookup_with_and_without_a_streak_gamma(tiny_target):
+    """--lookup-streaks S: lookup alone at the largest gamma again with a lone row's rounds at S after a full round
+    (the alone rows propose their gamma every round), and the service's setting again without a streak gamma (and
+    at S where S is not its default); the same tokens."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), lookup_streaks=(9, 15))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 40, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
+    alone = "FlashSpec lookup, gamma 3, overlapped"
+    assert list(rows)[-4:] == [alone + ", 9 after a full round", base + ", lone lookup, 9 after a full round",
+                               alone + ", 15 after a full round", base + ", no streak gamma"]
+    plain, streaky = rows[alone](), rows[alone + ", 9 after a full round"]()
+    service, none = rows[base](), rows[base + ", no streak gamma"]()
+    assert plain.eng.drafts["code"].streak_gammas == {} and streaky.eng.drafts["code"].streak_gammas == {1: 9}
+    assert service.eng.drafts["lookup"].streak_gammas == {1: 15} and none.eng.drafts["lookup"].streak_gammas == {}
+    for row in (plain, streaky):
+        row.timed_pass()
+    assert [o.token_ids for o in plain.outs] == [o.token_ids for o in streaky.outs]
+    drafted = lambda row: [(o.stats.drafted, o.stats.rounds) for o in row.outs]  # noqa: E731
+    assert all(n == 3 * r for n, r in drafted(plain))  # every round proposes 3
+    assert all(3 * r < n < 9 * r for n, r in drafted(streaky))  # the repeating reply: rounds of 9 after full ones
+    bench.args.lookup_streaks = ()
+    assert all("full round" not in name and "streak" not in name
+               for name in dict(lookup_rows(bench, workload, None, "", best)))
+
+
 def test_return_window_rows_run_the_service_with_another_governor_window(tiny_target):
     """--return-window W / --governor-rows / --plain-timing step: the service's setting again with the governor's
     return window W, with other governor settings, or plain calls priced as before, side by side."""

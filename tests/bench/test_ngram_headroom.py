@@ -88,3 +88,23 @@ def test_lookup_rounds_count_a_round_that_proposes_nothing_as_one_token():
     assert lookup_rounds([seq], [4], lambda toks: ngram_lookup(toks, 3, min_n=2)) == 8 / 3
     assert lookup_rounds([seq], [4], lambda toks: ngram_lookup(toks, 3)) == 4.0  # n to 1: 8 tokens in 2 rounds
     assert lookup_rounds([[9, 8, 7, 6]], [1], lambda toks: []) == 1.0
+
+
+def test_streak_rounds_propose_the_longer_gamma_after_a_full_round_and_price_it():
+    from bench.ngram_headroom import streak_pairs, streak_rounds
+
+    seq = [1, 2, 3] * 12  # prompt [1, 2, 3, 1, 2, 3], then a reply that repeats its period to the end
+    base = streak_rounds([seq], [6], 2, None)
+    assert base["streak_rounds"] == 0 and base["tokens_per_round"] == 3.0  # every round accepts its 2, and one more
+    fast = streak_rounds([seq], [6], 2, 5, lag=1, cost=1.5)
+    # Lag 1: the first round proposes 2 (all kept), every later one 5 (all kept): rounds of 3, then 6 tokens.
+    assert fast["streak_rounds"] == fast["rounds"] - 1 and fast["tokens_per_round"] > 4.5
+    assert fast["tokens_per_cost"] == pytest.approx(fast["tokens_per_round"] * fast["rounds"]
+                                                    / (1 + 1.5 * (fast["rounds"] - 1)))
+    lagged = streak_rounds([seq], [6], 2, 5, lag=2)  # the first two rounds propose 2
+    assert lagged["streak_rounds"] == lagged["rounds"] - 2
+    assert streak_rounds([[5, 1, 2, 3, 4, 6, 7, 8, 9]], [2], 2, 5)["streak_rounds"] == 0  # nothing repeats
+    assert streak_pairs("8:15,5:12") == ((8, 15), (5, 12))
+    for bad in ("8", "15:8", "0:3", "a:b"):
+        with pytest.raises(Exception, match="GAMMA:STREAK"):
+            streak_pairs(bad)

@@ -21,6 +21,7 @@ from drafts.model import DraftModel
 from engine.attention import SdpaBackend
 from engine.gamma import GammaController
 from engine.generate import generate
+from engine.lookup import MAX_GAMMA
 from engine.requests import Request
 from engine.sampling import SamplingParams, processed_probs, sample
 from engine.scheduler import DecodeEngine
@@ -1250,7 +1251,7 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
     prompts = [[2, 6, 1, 7]]  # greedily: a reply that ends in a run of one token
-    params = SamplingParams(max_new_tokens=300, eos_token_ids=())  # lookup's replay reaches its 32 rounds' window
+    params = SamplingParams(max_new_tokens=300, eos_token_ids=())
     want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=320), prompts, params)[0].token_ids
 
     def run(lookup_round: float, params=params, replay=None):
@@ -1270,12 +1271,14 @@ def test_a_lone_greedy_request_moves_to_lookup_once_the_replay_of_its_own_tokens
     assert out.token_ids == want
     assert out.draft == "d/lookup" and gov.decisions["switched"] == 1
     replayed = gov.snapshot()["pooled_rounds"]["d/lookup"]
-    assert replayed >= 32 and gov.snapshot()["pooled_tokens_per_round"]["d/lookup"] > 1.5
+    # The replay covered the whole reply (rounds of at most MAX_GAMMA + 1 tokens) and saw it repeat.
+    assert replayed >= params.max_new_tokens // (MAX_GAMMA + 1)
+    assert gov.snapshot()["pooled_tokens_per_round"]["d/lookup"] > 1.5
     out, gov = run(0.002, replay=False)  # no replay, no move
     assert out.token_ids == want and out.draft == "d" and gov.snapshot()["pooled_rounds"] == {}
     out, gov = run(0.002, replay=True)  # every request replayed: this lone one alike
     assert out.token_ids == want and out.draft == "d/lookup" and gov.decisions["switched"] == 1
-    out, gov = run(0.030)  # lookup's 15 ms a token: the replay does not move it
+    out, gov = run(0.120)  # lookup's round 120 ms (7.5 ms a token at 16 tokens a round): the replay does not move it
     assert out.token_ids == want and out.draft == "d" and gov.decisions["switched"] == 0
     out, gov = run(0.002, SamplingParams(max_new_tokens=40, eos_token_ids=(), temperature=0.8, seed=1))
     assert "d/lookup" not in gov.snapshot()["pooled_rounds"]
@@ -1373,18 +1376,25 @@ def test_lookup_draft_settings_are_checked():
 
     with pytest.raises(ValueError, match="min_n"):
         LookupDraft(max_n=1, min_n=2)
-    for bad in ({3: 8}, {1: 0}, {0: 4}):
-        with pytest.raises(ValueError, match="batch-size bucket"):
+    for bad in ({3: 8}, {1: 0}, {0: 4}, {1: 16}):
+        with pytest.raises(ValueError, match="lookup gammas .*batch-size bucket"):
             LookupDraft(gammas=bad)
+        with pytest.raises(ValueError, match="lookup streak gammas .*batch-size bucket"):
+            LookupDraft(streak_gammas=bad)
     assert LookupDraft().trainable_parameters() == []
     assert LookupDraft().gamma_at(1, 5) == 8 and LookupDraft().gamma_at(8, 5) == 5
     assert LookupDraft(gammas={}).gamma_at(1, 5) == 5
+    # After a round that accepted every token it proposed: the streak gamma where the bucket has one.
+    assert LookupDraft().gamma_at(1, 5, streak=True) == 15 and LookupDraft().gamma_at(8, 5, streak=True) == 5
+    assert LookupDraft(streak_gammas={}).gamma_at(1, 5, streak=True) == 8
+    assert LookupDraft(gammas={}, streak_gammas={2: 9}).gamma_at(2, 5, streak=True) == 9
 
 
 def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
     """A greedy lookup round's gamma comes from its drafter by batch-size bucket (`LookupDraft.gammas`): two rows
-    run the engine's 5, the one left when the other stops runs 8 (the cache margin holds up to MAX_GAMMA); sampled rounds run
-    the engine's gamma. Tokens are plain decoding's throughout."""
+    run the engine's 5, the one left when the other stops runs 8, and 15 after a round that accepted every token it
+    proposed (`LookupDraft.streak_gammas`; the cache margin holds up to MAX_GAMMA); sampled rounds run the engine's
+    gamma. Tokens are plain decoding's throughout."""
     from engine.lookup import MAX_GAMMA, LookupDraft
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
@@ -1395,9 +1405,15 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
     eng.add_draft("lookup", LookupDraft())
     assert [o.token_ids for o in generate(eng, prompts, params, "lookup")] == want
     gammas = {(k[-2][1][0], k[3]) for k in eng.graphs.graphs if k[0] == "lookup-round"}  # (rows, gamma)
-    assert {(2, 5), (1, 8)} <= gammas and all(g == (5 if rows > 1 else 8) for rows, g in gammas), gammas
+    assert gammas == {(2, 5), (1, 8), (1, 15)}, gammas  # the lone row's reply repeats itself: a streak
     lookup = eng.drafts["lookup"]
     assert eng.lookup_gamma(lookup, 1) == 8 and eng.lookup_gamma(lookup, 1, greedy=False) == 5
+    assert eng.lookup_gamma(lookup, 1, streak=True) == 15 and eng.lookup_gamma(lookup, 2, streak=True) == 5
+    assert eng.lookup_gamma(lookup, 1, greedy=False, streak=True) == 5
+    plain = DecodeEngine(small, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate")
+    plain.add_draft("lookup", LookupDraft(streak_gammas={}))  # no streak gamma: 8 throughout
+    assert [o.token_ids for o in generate(plain, prompts, params, "lookup")] == want
+    assert {(k[-2][1][0], k[3]) for k in plain.graphs.graphs if k[0] == "lookup-round"} == {(2, 5), (1, 8)}
     # The cache margin holds a lookup round's own gamma whatever the engine's (up to MAX_GAMMA), not a draft's 2.
     narrow = DecodeEngine(small, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(2, 2))
     assert narrow.margin == MAX_GAMMA + 4 and narrow.lookup_gamma(LookupDraft(), 1) == 8
@@ -1405,6 +1421,46 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
     assert narrow.lookup_gamma(LookupDraft(gammas={1: MAX_GAMMA}), 2) == 2
     with pytest.raises(ValueError, match="gamma 1..15"):
         LookupDraft(gammas={1: MAX_GAMMA + 1})
+
+
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
+def test_a_lone_lookup_row_proposes_its_streak_gamma_after_a_round_that_accepted_everything(tiny, monkeypatch, graphs,
+                                                                                           overlap):
+    """A lone greedy lookup row's round proposes the streak gamma (15) where its last committed round accepted every
+    token it proposed, else 8: read before the next launch, the round just before; chained (overlap), the round
+    before the one in flight. Tokens are plain decoding's, and the governor's replay of the row's tokens runs the
+    same rounds (`LookupShadow` with the engine's lag)."""
+    import engine.scheduler as scheduler
+    from engine.lookup import LookupDraft, LookupShadow
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[2, 6, 1, 7]]  # greedily: a reply that ends in a run of one token
+    params = SamplingParams(max_new_tokens=120, eos_token_ids=())
+    want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=256), prompts, params)[0].token_ids
+    launched, real = [], scheduler.launch_lookup_round
+
+    def record(eng, slots, gamma, kv_len, greedy=True, pending=None, pos0=None):
+        packed, p0 = real(eng, slots, gamma, kv_len, greedy, pending=pending, pos0=pos0)
+        launched.append((gamma, packed, pending is not None))  # chained: launched before the round before was read
+        return packed, p0
+
+    monkeypatch.setattr(scheduler, "launch_lookup_round", record)
+    eng = DecodeEngine(small, None, max_batch_size=1, max_seq_len=256, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+                       overlap=overlap)
+    eng.add_draft("lookup", LookupDraft())
+    out = generate(eng, prompts, params, "lookup")[0]
+    assert out.token_ids == want
+    rounds = [(g, int(packed[0, 0]), chained) for g, packed, chained in launched]
+    full = [accepted == g for g, accepted, _ in rounds]
+    for i, (g, _, chained) in enumerate(rounds):
+        lag = 2 if chained else 1
+        assert g == (15 if i >= lag and full[i - lag] else 8), (i, rounds)
+    assert any(chained for *_, chained in rounds) == overlap
+    assert sum(g == 15 for g, *_ in rounds) >= 3 and sum(g == 8 for g, *_ in rounds) >= 2
+    # Every round but a chained one past the row's end was committed: the replay over the reply runs the same rounds.
+    shadow = LookupShadow(prompts[0], 8, streak_gamma=15, lag=2 if overlap else 1)
+    made = shadow.extend(want)
+    assert made == [accepted + 1 for _, accepted, _ in rounds[:len(made)]]
 
 
 @pytest.mark.parametrize("graphs", [None, "emulate"])

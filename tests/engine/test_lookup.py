@@ -69,39 +69,53 @@ def test_it_runs_inside_a_graph_shaped_call_and_refuses_bad_settings():
         propose(history, torch.tensor([5, 4]), 2, max_n=1, min_n=2)
 
 
-def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int, repeat: bool = True) -> list[int]:
+def _replayed(seq: list[int], start: int, gamma: int, max_n: int, min_n: int, repeat: bool = True,
+              streak: int | None = None, lag: int = 2) -> list[int]:
     """The reference: lookup rounds over a known greedy reply seq[start:] (seq[start] the prefill's token), each
     `ngram_lookup` over the history up to the pending token, then the reply's matching prefix and its next token;
-    a round whose outcome the reply does not settle yet (it matches to its end) is not counted."""
-    made, t = [], start
+    a round whose outcome the reply does not settle yet (it matches to its end) is not counted. A round proposes
+    `streak` tokens (not None) where the round `lag` rounds before it accepted all the `gamma`s it proposed."""
+    made, full, t = [], [], start
     while True:
-        proposal = ngram_lookup(seq[:t + 1], gamma, max_n, min_n, repeat)
+        g = streak if streak is not None and len(full) >= lag and full[-lag] else gamma
+        proposal = ngram_lookup(seq[:t + 1], g, max_n, min_n, repeat)
         accepted = 0
         while accepted < len(proposal) and t + 1 + accepted < len(seq) and seq[t + 1 + accepted] == proposal[accepted]:
             accepted += 1
         if t + 1 + accepted >= len(seq):
             return made
         made.append(accepted + 1)
+        full.append(accepted == g)
         t += accepted + 1
 
 
-@pytest.mark.parametrize("gamma,max_n,min_n,repeat", [(5, 3, 2, True), (3, 3, 1, True), (8, 2, 2, True), (8, 3, 1, True),
-                                                      (5, 3, 2, False), (8, 3, 1, False)])
-def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come_in(gamma, max_n, min_n, repeat):
+@pytest.mark.parametrize("gamma,max_n,min_n,repeat,streak,lag", [
+    (5, 3, 2, True, None, 2), (3, 3, 1, True, None, 2), (8, 2, 2, True, None, 2), (8, 3, 1, True, None, 2),
+    (5, 3, 2, False, None, 2), (8, 3, 1, False, None, 2), (3, 3, 1, True, 7, 2), (2, 3, 1, True, 5, 1),
+    (3, 2, 1, True, 6, 1)])
+def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come_in(gamma, max_n, min_n, repeat,
+                                                                                   streak, lag):
     """LookupShadow over a request's tokens as they come (a prefill's token, then rounds' and steps' of any length)
-    makes the rounds the reference rule makes over the whole reply, each as soon as the tokens settle it."""
+    makes the rounds the reference rule makes over the whole reply, each as soon as the tokens settle it; with a
+    streak gamma, each round at the gamma the rounds before it set."""
     rng = random.Random(gamma)
-    for row in _rows(gamma, 40, 90):
+    streaks = 0
+    runs = [[1, 2, 3] * 30, [4] * 50, [0, 5] * 40 + [1, 2] * 20]  # replies that repeat: streaks
+    for row in _rows(gamma, 40, 90) + runs:
         if len(row) < 4:
             continue
-        prompt_len = rng.randint(1, len(row) - 2)
-        shadow = LookupShadow(row[:prompt_len], gamma, max_n, min_n, repeat=repeat)
+        prompt_len = rng.randint(1, len(row) // 3)
+        shadow = LookupShadow(row[:prompt_len], gamma, max_n, min_n, repeat=repeat, streak_gamma=streak, lag=lag)
         got, at = [], prompt_len
         while at < len(row):
             chunk = rng.randint(1, gamma + 1)
             got += shadow.extend(row[at:at + chunk])
             at += chunk
-            assert got == _replayed(row[:at], prompt_len, gamma, max_n, min_n, repeat)
+            assert got == _replayed(row[:at], prompt_len, gamma, max_n, min_n, repeat, streak, lag)
         assert shadow.rounds == len(got) and shadow.tokens == sum(got) and list(shadow.recent) == got[-32:]
+        streaks += sum(1 for n in got if n > gamma + 1)
+    assert (streaks > 0) == (streak is not None)  # the streak cases do run rounds past the gamma
     with pytest.raises(ValueError, match="gamma"):
         LookupShadow([1, 2], 0)
+    with pytest.raises(ValueError, match="lag"):
+        LookupShadow([1, 2], 3, streak_gamma=5, lag=0)
