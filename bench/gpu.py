@@ -27,6 +27,7 @@ keywords);
 `--plain-timing step` adds lookup under the governor and the service's setting again with an overlapped plain call
 priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
+`--comeback-prices off` adds the service's setting again with plain rows' replays of lookup not pricing it;
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
 without a streak gamma (and at each streak gamma other than its default);
@@ -816,6 +817,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     settings = [(f", return window {w}", {"return_window": w}) for w in getattr(bench.args, "return_window", ())]
     settings += [(", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), kw)
                  for kw in getattr(bench.args, "governor_rows", ())]
+    if best and getattr(bench.args, "comeback_prices", "on") == "off":  # plain rows' replays not pricing lookup
+        rows.append(service(after=", plain rows' replays not pricing lookup", engine_attrs={"comeback_prices": False}))
     if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
         step = {"plain_timed_from_read": False}
         rows.append(alone(lookup, top, ", governor, overlapped, plain calls timed from the step", governor=True,
@@ -1064,6 +1067,10 @@ def main() -> None:
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "
                              "these, e.g. 32")
+    parser.add_argument("--comeback-prices", choices=("on", "off"), default="on",
+                        help="with --lookup, off: also the service's setting with a plain row's replay of lookup only "
+                             "watching for its way back, not pricing lookup for its domain "
+                             "(DecodeEngine.comeback_prices False, as before), side by side")
     parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "

@@ -58,6 +58,13 @@ class DecodeEngine:
     # since this step started (False: what it was before; the host's work between reads fell outside every sample,
     # kept for measuring the two side by side, `bench.gpu --plain-timing step`).
     plain_timed_from_read = True
+    # A plain row's replay of lookup (`_watch_lookup`, kept to see when it may go back on lookup) also prices lookup
+    # for its domain (`SpeculationGovernor.observe_tokens`), as a lone request's replay does (True); False: it only
+    # watches (before; `bench.gpu --comeback-prices off` measures the two side by side). At a batch, where requests
+    # are not replayed from admission (`lookup_replay="alone"`), a domain's lookup was otherwise priced from the
+    # first rounds of the rows that tried it, before their text repeated, and once every row was plain nothing
+    # priced it again: on the H200 (run 41) a batch of 8 stayed plain at 1.10x where it had moved to lookup at 1.61x.
+    comeback_prices = True
 
     def __init__(
         self,
@@ -1379,7 +1386,9 @@ class DecodeEngine:
             if replayed:
                 self.governor.observe_tokens(s.shadow_name, LOOKUP_POOL, replayed)
         if s.comeback is not None and s.comeback is not s.shadow and kept:
-            s.comeback.extend(kept)
+            replayed = s.comeback.extend(kept)
+            if replayed and self.comeback_prices:
+                self.governor.observe_tokens(governed(s.request, s.comeback_to[0]), LOOKUP_POOL, replayed)
         if new_tokens:
             s.pending = new_tokens[-1]
         finished = reason is not None
