@@ -171,8 +171,8 @@ DEFAULT_GAMMAS = {1: 8}
 # round tends to go on repeating, and a round after a miss proposes again at the bucket's gamma, so a long proposal
 # is paid for mostly where it is taken. Over our own splits' greedy replies (`python -m bench.ngram_headroom --streaks
 # 8:15`), with a 15-token round priced 1.075 of an 8-token one (the H200, run 39), tokens per unit of round cost
-# rose in every cell (+5 to +28 % long prompts, +1.4 to +2.4 % plain requests), where gamma 15 throughout lost on
-# plain requests.
+# rose in every cell (+5.0 to +28.4 % on long prompts, +0.8 to +1.9 % on plain requests), where gamma 15 throughout
+# lost 3.7-4.8 % on plain requests. On the H200 (run 41) the service's setting at bs 1 ran 3.4-4.1 % faster.
 DEFAULT_STREAK_GAMMAS = {1: 15}
 # The most tokens a greedy lookup round may propose: its verify pass (gamma + 1 tokens a row) stays within the steps
 # the compiled layer kernels and the attention kernel serve (engine.fused.MAX_COMPILED_TOKENS, 16 tokens a row).
