@@ -59,8 +59,9 @@ class DecodeEngine:
     # kept for measuring the two side by side, `bench.gpu --plain-timing step`).
     plain_timed_from_read = True
     # A plain row's replay of lookup (`_watch_lookup`, kept to see when it may go back on lookup) also prices lookup
-    # for its domain (`SpeculationGovernor.observe_tokens`), as a lone request's replay does (True); False: it only
-    # watches (before; `bench.gpu --comeback-prices off` measures the two side by side). At a batch, where requests
+    # for its domain (`SpeculationGovernor.observe_tokens`), as a lone request's replay does (True, unless
+    # `lookup_replay` is False); False: it only watches (before; `bench.gpu --comeback-prices off` measures the two
+    # side by side). At a batch, where requests
     # are not replayed from admission (`lookup_replay="alone"`), a domain's lookup was otherwise priced from the
     # first rounds of the rows that tried it, before their text repeated, and once every row was plain nothing
     # priced it again: on the H200 (run 41) a batch of 8 stayed plain at 1.10x where it had moved to lookup at 1.61x.
@@ -113,7 +114,9 @@ class DecodeEngine:
         (`_shadow`). "alone" (the default): the requests admitted to run alone, where a domain's first few
         lookup requests otherwise decide its price (on the H200 at bs 1, code's first ones made 1.3 tokens a
         round and held code on its draft in four processes of five: 1.85-2.01x; replayed, 2.30-2.36x; run 38);
-        True: every greedy request (at bs 8 it cost the service 3-4 %, run 38); False: none."""
+        True: every greedy request (at bs 8 it cost the service 3-4 %, run 38); False: none. Unless False, a plain
+        row's replay (kept to watch for its way back to lookup, `_watch_lookup`) prices lookup too
+        (`comeback_prices`)."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         if not (isinstance(lookup_replay, bool) or lookup_replay == "alone"):
@@ -1387,7 +1390,7 @@ class DecodeEngine:
                 self.governor.observe_tokens(s.shadow_name, LOOKUP_POOL, replayed)
         if s.comeback is not None and s.comeback is not s.shadow and kept:
             replayed = s.comeback.extend(kept)
-            if replayed and self.comeback_prices:
+            if replayed and self.comeback_prices and self.lookup_replay is not False:
                 self.governor.observe_tokens(governed(s.request, s.comeback_to[0]), LOOKUP_POOL, replayed)
         if new_tokens:
             s.pending = new_tokens[-1]

@@ -1361,7 +1361,8 @@ def test_plain_rows_replays_price_lookup_so_a_batch_moves_once_its_text_repeats(
     """A batch of greedy requests decoding plainly (lookup priced at 1 token a round from its first rounds, the draft
     dear): each plain row replays lookup over its tokens to watch for its way back, and those replays price lookup
     for the domain too (`DecodeEngine.comeback_prices`), so once the replies repeat the batch moves to lookup, with
-    plain decoding's tokens. Without it nothing prices lookup again and the batch stays plain to the end."""
+    plain decoding's tokens. Without it (or with `lookup_replay=False`: no replay prices lookup) nothing prices
+    lookup again and the batch stays plain to the end."""
     from engine.governor import SpeculationGovernor
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
@@ -1369,7 +1370,7 @@ def test_plain_rows_replays_price_lookup_so_a_batch_moves_once_its_text_repeats(
     greedy = SamplingParams(max_new_tokens=60, eos_token_ids=())
     want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, greedy)]
 
-    def run(prices: bool):
+    def run(prices: bool, **kw):
         gov = SpeculationGovernor(min_samples=2, probe_every=1000)
         for _ in range(16):
             gov.observe_ar(4, 0.004, 4)  # plain decoding at 3-4 rows: 1 ms a token
@@ -1378,7 +1379,7 @@ def test_plain_rows_replays_price_lookup_so_a_batch_moves_once_its_text_repeats(
             gov.observe_pool("lookup", 4, 0.006, 4)  # a lookup row's round in a batch of them: 1.5 ms
         gov.observe_tokens("d/lookup", None, [1] * 16)  # its first rounds made 1 token each: 1.5 ms a token
         gov.observe_ar = gov.observe_spec = gov.observe_pool = lambda *args: None  # this CPU's timings aside
-        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
+        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov, **kw)
         eng.comeback_prices = prices
         eng.set_alternatives("d", ["lookup"])
         outs = generate(eng, prompts, greedy, "d")
@@ -1389,8 +1390,8 @@ def test_plain_rows_replays_price_lookup_so_a_batch_moves_once_its_text_repeats(
     assert gov.decisions["plain"] == 3 and gov.decisions["switched"] == 3  # admitted plain, moved together
     assert all(o.draft == "d/lookup" for o in outs)
     assert gov.snapshot()["pooled_tokens_per_round"]["d/lookup"] > 2.0  # the replays priced it
-    gov, outs = run(False)
-    assert gov.decisions["plain"] == 3 and gov.decisions["switched"] == 0 and all(o.draft is None for o in outs)
+    for gov, outs in (run(False), run(True, lookup_replay=False)):  # no replay prices lookup with lookup_replay=False
+        assert gov.decisions["plain"] == 3 and gov.decisions["switched"] == 0 and all(o.draft is None for o in outs)
 
 
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
