@@ -61,10 +61,10 @@ class DecodeEngine:
     # A plain row's replay of lookup (`_watch_lookup`, kept to see when it may go back on lookup) also prices lookup
     # for its domain (`SpeculationGovernor.observe_tokens`), as a lone request's replay does (True, unless
     # `lookup_replay` is False); False: it only watches (before; `bench.gpu --comeback-prices off` measures the two
-    # side by side). At a batch, where requests
-    # are not replayed from admission (`lookup_replay="alone"`), a domain's lookup was otherwise priced from the
-    # first rounds of the rows that tried it, before their text repeated, and once every row was plain nothing
-    # priced it again: on the H200 (run 41) a batch of 8 stayed plain at 1.10x where it had moved to lookup at 1.61x.
+    # side by side). At a batch, where requests are not replayed from admission (`lookup_replay="alone"`), a domain's
+    # lookup was otherwise priced from the first rounds of the rows that tried it, before their text repeated, and
+    # once every row was plain nothing priced it again: on the H200 (run 41, bs 8) the service's setting stayed plain
+    # at 1.07x without these prices and moved to lookup at 1.75x with them, side by side.
     comeback_prices = True
 
     def __init__(

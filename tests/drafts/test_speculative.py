@@ -1407,6 +1407,14 @@ def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_t
                     SamplingParams(max_new_tokens=20, eos_token_ids=()), ["lookup", "d", "lookup", None])
     assert [o.token_ids for o in outs] == [t[:20] for t in ar_greedy(target)]
     assert warm.graphs.captures == captured  # nothing left to capture in traffic
+    # A lone lookup row over a reply that repeats: rounds at 8 and at the streak gamma 15, both captured already.
+    lone = generate(warm, [[3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=40,
+                                                                                          eos_token_ids=()), "lookup")[0]
+    assert lone.token_ids == generate(DecodeEngine(target, None, max_batch_size=1, max_seq_len=128),
+                                      [[3, 1, 4, 1, 5, 3, 1, 4, 1, 5, 3, 1, 4, 1, 5]],
+                                      SamplingParams(max_new_tokens=40, eos_token_ids=()))[0].token_ids
+    assert lone.stats.drafted > 8 * lone.stats.rounds  # some of its rounds proposed 15
+    assert warm.graphs.captures == captured
 
 
 def test_lookup_draft_settings_are_checked():
