@@ -90,11 +90,12 @@ def lookup_rounds(sequences: list[list[int]], starts: list[int], lookup: Callabl
 
 
 def streak_rounds(sequences: list[list[int]], starts: list[int], gamma: int, streak: int | None, lag: int = 2,
-                  cost: float = 1.0) -> dict:
+                  cost: float = 1.0, gamma_cost: float = 1.0) -> dict:
     """A lone lookup row's rounds over known greedy replies as the governor replays them (`LookupShadow`): each
     round proposes `gamma`, or `streak` where the round `lag` rounds before it accepted everything it proposed
-    (`LookupDraft.streak_gammas`; None: never). A round of more tokens than `gamma` costs `cost` of one of gamma
-    (its verify pass is longer). -> rounds, streak rounds, tokens a round and tokens per unit of round cost."""
+    (`LookupDraft.streak_gammas`; None: never). A round at `streak` costs `cost`, one at `gamma` `gamma_cost` (in
+    one unit of round cost: its verify pass's length). -> rounds, streak rounds, tokens a round and tokens per unit
+    of round cost."""
     from engine.lookup import LookupShadow
 
     rounds = made = long = 0
@@ -103,7 +104,7 @@ def streak_rounds(sequences: list[list[int]], starts: list[int], gamma: int, str
         for n in shadow.extend(seq[start:]):
             rounds, made = rounds + 1, made + n
         long += shadow.streak_rounds
-    spent = rounds + long * (cost - 1.0)
+    spent = (rounds - long) * gamma_cost + long * cost
     return {"rounds": rounds, "streak_rounds": long, "tokens_per_round": made / max(rounds, 1),
             "tokens_per_cost": made / max(spent, 1e-9)}
 
@@ -237,10 +238,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     for gamma, streak in args.streaks:
         plays = {f"gamma {gamma}": streak_rounds(sequences, starts, gamma, None),
-                 f"gamma {streak}": streak_rounds(sequences, starts, streak, None, cost=args.streak_cost),
+                 f"gamma {streak}": streak_rounds(sequences, starts, streak, None, gamma_cost=args.streak_cost),
                  f"gamma {gamma}, {streak} after a full round": streak_rounds(
                      sequences, starts, gamma, streak, args.streak_lag, args.streak_cost)}
-        plays[f"gamma {streak}"]["tokens_per_cost"] /= args.streak_cost  # every round is of the longer gamma
         for name, got in plays.items():
             print(json.dumps({**head, "play": name, "lag": args.streak_lag, "streak_cost": args.streak_cost,
                               **{k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}}), flush=True)

@@ -55,11 +55,15 @@ class SpecStats:
         """Tokens produced per round (accepted drafts + the recovered or bonus token)."""
         return self.emitted / self.rounds if self.rounds else 0.0
 
+    def count_drafter(self, drafter: str, rounds: int, tokens: int) -> None:
+        """Add rounds and the tokens they made to `drafter`'s count (`by_drafter`)."""
+        counts = self.by_drafter.setdefault(drafter, [0, 0])
+        counts[0] += rounds
+        counts[1] += tokens
+
     def record(self, drafted: int, accepted: int, passes: int, drafter: str | None = None) -> None:
         if drafter is not None:
-            counts = self.by_drafter.setdefault(drafter, [0, 0])
-            counts[0] += 1
-            counts[1] += accepted + 1
+            self.count_drafter(drafter, 1, accepted + 1)
         self.rounds += 1
         self.verify_passes += passes
         self.drafted += drafted

@@ -452,8 +452,8 @@ class DecodeEngine:
     def _streaks_at(self, mix: list[str | None], rows: int) -> bool:
         """Whether a batch of `rows` rows of this mix (row i holds mix[i % len(mix)]) has lookup rows whose rounds
         (at their own count's bucket, `_lookup_round`) have a streak gamma of their own."""
-        looks = [self.drafts[mix[i % len(mix)]] for i in range(rows)
-                 if mix[i % len(mix)] is not None and is_lookup(self.drafts[mix[i % len(mix)]])]
+        held = [self.drafts[mix[i % len(mix)]] for i in range(rows) if mix[i % len(mix)] is not None]
+        looks = [d for d in held if is_lookup(d)]
         n = len(looks)
         return bool(looks) and self.lookup_gamma(looks[0], n, streak=True) != self.lookup_gamma(looks[0], n)
 

@@ -69,9 +69,7 @@ def _merge(stats: Sequence[SpecStats | None]) -> SpecStats:
         total.accepted += s.accepted
         total.emitted += s.emitted
         for name, (r, t) in s.by_drafter.items():
-            counts = total.by_drafter.setdefault(name, [0, 0])
-            counts[0] += r
-            counts[1] += t
+            total.count_drafter(name, r, t)
         for i, (a, d) in enumerate(zip(s.accepted_by_position, s.drafted_by_position)):
             while len(total.drafted_by_position) <= i:
                 total.drafted_by_position.append(0)

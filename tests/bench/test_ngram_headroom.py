@@ -101,6 +101,8 @@ def test_streak_rounds_propose_the_longer_gamma_after_a_full_round_and_price_it(
     assert fast["streak_rounds"] == fast["rounds"] - 1 and fast["tokens_per_round"] > 4.5
     assert fast["tokens_per_cost"] == pytest.approx(fast["tokens_per_round"] * fast["rounds"]
                                                     / (1 + 1.5 * (fast["rounds"] - 1)))
+    dear = streak_rounds([seq], [6], 5, None, gamma_cost=1.5)  # every round at the longer gamma, each 1.5
+    assert dear["tokens_per_cost"] == pytest.approx(dear["tokens_per_round"] / 1.5)
     lagged = streak_rounds([seq], [6], 2, 5, lag=2)  # the first two rounds propose 2
     assert lagged["streak_rounds"] == lagged["rounds"] - 2
     assert streak_rounds([[5, 1, 2, 3, 4, 6, 7, 8, 9]], [2], 2, 5)["streak_rounds"] == 0  # nothing repeats
