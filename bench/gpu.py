@@ -28,6 +28,8 @@ keywords);
 priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--comeback-prices off` adds the service's setting again with plain rows' replays of lookup not pricing it;
+`--side-prefill off` adds plain decoding (fused, alone and overlapped), lookup at the largest gamma overlapped and the
+service's setting again with each admission's prefill stopping the batch (`DecodeEngine(side_prefill=False)`);
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
 without a streak gamma (and at each streak gamma other than its default);
@@ -305,17 +307,17 @@ class Bench:
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
                    lookup_alternative=False, lookup_replay=None, governor_kw: dict | None = None,
-                   engine_attrs: dict | None = None) -> "EngineRow":
+                   engine_attrs: dict | None = None, engine_kw: dict | None = None) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
         `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
         (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other
         settings (`SpeculationGovernor`'s keywords); `engine_attrs`: engine attributes set after it is built
-        (`DecodeEngine.plain_timed_from_read`)."""
+        (`DecodeEngine.plain_timed_from_read`); `engine_kw`: more `DecodeEngine` keywords (`side_prefill`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw,
-                        engine_attrs)
+                        engine_attrs, engine_kw)
         row.warm()
         return row
 
@@ -446,7 +448,8 @@ class EngineRow:
 
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                  mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None,
-                 governor_kw: dict | None = None, engine_attrs: dict | None = None) -> None:
+                 governor_kw: dict | None = None, engine_attrs: dict | None = None,
+                 engine_kw: dict | None = None) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -465,7 +468,7 @@ class EngineRow:
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
                                 spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap,
-                                **({} if lookup_replay is None else {"lookup_replay": lookup_replay}))
+                                **({} if lookup_replay is None else {"lookup_replay": lookup_replay}), **(engine_kw or {}))
         for name, value in (engine_attrs or {}).items():  # an engine switch measured side by side
             if not hasattr(self.eng, name):
                 raise AttributeError(f"DecodeEngine has no attribute {name!r} to set")
@@ -817,6 +820,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     settings = [(f", return window {w}", {"return_window": w}) for w in getattr(bench.args, "return_window", ())]
     settings += [(", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), kw)
                  for kw in getattr(bench.args, "governor_rows", ())]
+    if getattr(bench.args, "side_prefill", "on") == "off":  # every admission's prefill stopping the batch, as before
+        stopping = {"side_prefill": False}
+        rows.append(alone(lookup, top, ", overlapped, prefills stopping the batch", overlap=True, engine_kw=stopping))
+        if best:
+            rows.append(service(after=", prefills stopping the batch", engine_kw=stopping))
     if best and getattr(bench.args, "comeback_prices", "on") == "off":  # plain rows' replays not pricing lookup
         rows.append(service(after=", plain rows' replays not pricing lookup", engine_attrs={"comeback_prices": False}))
     if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
@@ -875,6 +883,11 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
         workload = (prompts, domains, new, greedy, bs)
         rows = [("engine AR (fused)", lambda: bench.engine_row(*workload, None, reference=ref)),
                 ("engine AR (fused, overlapped)", lambda: bench.engine_row(*workload, None, reference=ref, overlap=True))]
+        if args.side_prefill == "off":  # plain decoding with every admission's prefill stopping the batch, as before
+            rows += [(f"engine AR (fused{more}), prefills stopping the batch",
+                      lambda overlap=overlap: bench.engine_row(*workload, None, reference=ref, overlap=overlap,
+                                                               engine_kw={"side_prefill": False}))
+                     for more, overlap in (("", False), (", overlapped", True))]
         if best:
             rows += best_rows(bench, workload, best, ref, " (fused)", args.blocks)
         else:
@@ -1071,6 +1084,10 @@ def main() -> None:
                         help="with --lookup, off: also the service's setting with a plain row's replay of lookup only "
                              "watching for its way back, not pricing lookup for its domain "
                              "(DecodeEngine.comeback_prices False, as before), side by side")
+    parser.add_argument("--side-prefill", choices=("on", "off"), default="on",
+                        help="off: also plain decoding (fused, alone and overlapped) and, with --lookup, lookup at the "
+                             "largest gamma overlapped and the service's setting with every admission's prefill "
+                             "stopping the batch (DecodeEngine(side_prefill=False), as before), side by side")
     parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "

@@ -16,7 +16,7 @@ import torch
 
 class CapturedStep:
     def __init__(self, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], warmup: int = 2,
-                 capture: bool = True, pool=None) -> None:
+                 capture: bool = True, pool=None, stream=None) -> None:
         self.fn = fn
         self.static = {k: v.clone() for k, v in inputs.items()}
         self.graph = None
@@ -37,7 +37,7 @@ class CapturedStep:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(self.graph, pool=pool):
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream):
                 self.outputs = fn(**self.static)
         finally:
             if collecting:
@@ -71,24 +71,42 @@ class GraphCache:
         # private pool per graph would hold every graph's intermediates at once: hundreds of graphs after a
         # full warm-up.
         self.pool = torch.cuda.graph_pool_handle() if enabled and capture else None
+        # Graphs that replay on a second stream beside those of the first (`run(side=True)`: admissions' prefills,
+        # `DecodeEngine.side_prefill`) get a pool of their own, since their replays overlap the others', and are
+        # captured on a stream of their own: cuBLAS hands each capture stream one workspace, which every graph
+        # captured on it then uses in its replays (torch.cuda.graph captures on one stream unless told). Made on
+        # first use; the capture stream comes from the high-priority pool, so no other capture draws it.
+        self._side: tuple | None = None
         self.graphs: dict[tuple, CapturedStep] = {}
         self.owners: dict[tuple, tuple] = {}  # graph key -> ids of the drafts it runs
         self.captures = 0  # graphs captured so far (len() drops when `discard` removes some)
 
-    def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], owners: tuple = ()) -> tuple:
+    def run(self, key: tuple, fn: Callable[..., tuple], inputs: dict[str, torch.Tensor], owners: tuple = (),
+            side: bool = False) -> tuple:
         """Replay the graph of (key, input shapes), capturing it first. `owners`: ids of the drafts whose
-        weights the graph reads; `discard(owner)` drops it when that draft is replaced."""
+        weights the graph reads; `discard(owner)` drops it when that draft is replaced. `side`: a graph whose
+        replays may run beside the others' (on another stream; one at a time among themselves): its own memory
+        pool and capture stream."""
         if not self.enabled:
             return fn(**inputs)
-        full_key = key + owners + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
+        full_key = key + owners + (("side",) if side else ()) + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
         step = self.graphs.get(full_key)
         if step is None:
-            step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture, pool=self.pool)
+            pool, stream = self._side_pool() if side else (self.pool, None)
+            step = self.graphs[full_key] = CapturedStep(fn, inputs, capture=self.capture, pool=pool, stream=stream)
             self.owners[full_key] = owners
             self.captures += 1
             # The capture's warm-up already did this call's work; replaying once more is harmless
             # (same inputs, same cache writes) and gives the outputs from the graph's buffers.
         return step(inputs)
+
+    def _side_pool(self) -> tuple:
+        """(memory pool, capture stream) of the side graphs (`run(side=True)`)."""
+        if not self.capture:
+            return None, None
+        if self._side is None:
+            self._side = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(priority=-1))
+        return self._side
 
     def discard(self, owner: int) -> int:
         """Drop every graph that runs the draft with this id (it was replaced or removed)."""

@@ -9,6 +9,7 @@ end for offline use. Rows are independent: a ragged batch gives each row what it
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import time
@@ -30,6 +31,7 @@ from engine.sampling import (RandomStream, advance, needs_filters, param_tensors
 from engine.speculative import (Draft, RoundResult, SpecConfig, captured_path, draft_features, feature_layers_of,
                                 graph_drafts, launch_round, round_result, spec_round, tree_round)
 from engine.text import TextStream
+from engine.triton_attention import INLINE_MERGE
 from engine.triton_kernels import argmax
 
 
@@ -40,6 +42,12 @@ def prefill_graphs_default() -> bool:
     """Whether a DecodeEngine built without `prefill_graphs` runs admissions' prefills as CUDA graphs (where it
     captures graphs at all): yes, unless FLASHSPEC_PREFILL_GRAPHS=0 in the environment."""
     return os.environ.get("FLASHSPEC_PREFILL_GRAPHS", "1") != "0"
+
+
+def side_prefill_default() -> bool:
+    """Whether a DecodeEngine built without `side_prefill` runs admissions' prefills on a second CUDA stream beside
+    the running rows (where it captures graphs on CUDA): yes, unless FLASHSPEC_SIDE_PREFILL=0 in the environment."""
+    return os.environ.get("FLASHSPEC_SIDE_PREFILL", "1") != "0"
 
 
 def governed(request: Request, name: str | None = None) -> str:
@@ -84,6 +92,7 @@ class DecodeEngine:
         overlap: bool = False,
         prefill_graphs: bool | None = None,
         lookup_replay: bool | str = "alone",
+        side_prefill: bool | None = None,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -116,7 +125,13 @@ class DecodeEngine:
         round and held code on its draft in four processes of five: 1.85-2.01x; replayed, 2.30-2.36x; run 38);
         True: every greedy request (at bs 8 it cost the service 3-4 %, run 38); False: none. Unless False, a plain
         row's replay (kept to watch for its way back to lookup, `_watch_lookup`) prices lookup too
-        (`comeback_prices`)."""
+        (`comeback_prices`).
+        side_prefill: admissions' prefills run on a second CUDA stream while the running rows keep decoding; the
+        new rows join the batch at the first step after their prefill has run (`_admit`, `_join`). Without it a
+        batch stops for each admission's prefill (at bs 8 on the H200, 24 single-row 512-token prefills were
+        about 74 ms of a 546 ms pass; run 41). Default: on where the engine captures CUDA graphs
+        (FLASHSPEC_SIDE_PREFILL=0 turns it off); True on CPU (tests) runs the same bookkeeping, the prefill
+        done by the time it returns."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         if not (isinstance(lookup_replay, bool) or lookup_replay == "alone"):
@@ -151,6 +166,13 @@ class DecodeEngine:
         if prefill_graphs is None:
             prefill_graphs = prefill_graphs_default()
         self.prefill_graphs = prefill_graphs and use_graphs
+        if side_prefill is None:
+            side_prefill = side_prefill_default() and use_graphs and cuda_graphs != "emulate" and not INLINE_MERGE
+        self.side_prefill = side_prefill
+        # The stream admissions' prefills run on (`side_prefill` on CUDA), and the admissions launched there whose
+        # rows have not joined the batch yet, oldest first.
+        self._side_stream = torch.cuda.Stream(self.device) if side_prefill and self.device.type == "cuda" else None
+        self._admitting: list[_Admission] = []
         self.lookup_replay = lookup_replay
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
         self.drafts: dict[str, Draft] = {}
@@ -290,10 +312,15 @@ class DecodeEngine:
         self.waiting.append(request)
 
     def cancel(self, request_id: str) -> bool:
-        """Drop a waiting or running request; its cache row is free for the next step."""
+        """Drop a waiting, admitting or running request; its cache row is free for the next step (an admitting
+        request's once its prefill has run)."""
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                return True
+        for a in self._admitting:
+            if any(s.request.request_id == request_id for s in a.states) and request_id not in a.dropped:
+                a.dropped.add(request_id)
                 return True
         for i, s in enumerate(self.slots):
             if s is not None and s.request.request_id == request_id:
@@ -447,6 +474,10 @@ class DecodeEngine:
             self.slots = [None] * self.max_batch_size
             self._wait_ahead()
             self._ahead = None  # nor an overlapped call of one
+            for a in self._admitting:  # nor an admission whose prefill was launched
+                if a.ready is not None:
+                    a.ready.synchronize()
+            self._admitting = []
         return self.graphs.captures - before
 
     def _streaks_at(self, mix: list[str | None], rows: int) -> bool:
@@ -461,7 +492,13 @@ class DecodeEngine:
         """With prefill graphs: capture the prefill pass of every padded prompt length (16, 32, ... the cache) for
         every batch bucket, rows 0..b-1 and scattered, plain and for the drafts of each mix (their trunk split
         and captured layers), so no admission captures one in traffic. Zero prompts into rows of an idle engine:
-        what they write is overwritten before anything reads it."""
+        what they write is overwritten before anything reads it. On the side stream, as admissions run them."""
+        with self._side():
+            self._warm_prefill_graphs(mixes, buckets, stop)
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+
+    def _warm_prefill_graphs(self, mixes, buckets, stop) -> None:
         variants = {(0, (), False)}
         for mix in mixes:
             drafts = [self.drafts[name] for name in mix if name is not None and not is_lookup(self.drafts[name])]
@@ -486,8 +523,19 @@ class DecodeEngine:
     def num_running(self) -> int:
         return sum(s is not None for s in self.slots)
 
+    @property
+    def num_admitting(self) -> int:
+        """Requests whose prefill runs beside the batch (`side_prefill`), their rows reserved."""
+        return sum(len(a.states) - len(a.dropped) for a in self._admitting)
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds: running, admitting, waiting."""
+        ids = [s.request.request_id for s in self.slots if s is not None]
+        ids += [s.request.request_id for a in self._admitting for s in a.states if s.request.request_id not in a.dropped]
+        return ids + [r.request_id for r in self.waiting]
+
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.num_running > 0 or self._ahead is not None
+        return bool(self.waiting) or self.num_running > 0 or self._ahead is not None or bool(self._admitting)
 
     # ----- the step -----------------------------------------------------------------------
     @torch.no_grad()  # decoding never needs autograd, whatever the weights' requires_grad (a draft in training)
@@ -783,14 +831,17 @@ class DecodeEngine:
 
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
         """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
-        every running row, all speculating or all plain as `speculating` says (no request waits for a free row),
-        and every row still wants the `span` tokens of both calls and has the context for them, so the next
+        every running row, all speculating or all plain as `speculating` says (no request waits for a free row,
+        no admission's rows wait to join: `_admit_beside` launches their prefill beside the chain), and every row still wants the `span` tokens of both calls and has the context for them, so the next
         call is exactly what the next step would have run (only a stop token or string met meanwhile can make
         its work for a row unwanted)."""
         if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
             return False
-        if self.waiting and self.num_running < self.max_batch_size:
-            return False
+        if self.waiting and self._free_rows():
+            return False  # admitted at the next step (with `side_prefill`, `_admit_beside` took what it could)
+        if self._admitting and self._admitting[0].done():
+            return False  # rows whose prefill has run join at the next step
+
         # Last (it asks the governor): a batch about to move to lookup runs its next step unchained (`_batch_to_lookup`).
         return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
@@ -821,12 +872,58 @@ class DecodeEngine:
         """Graph captures plus kernel compiles so far: a step that changed it was not a steady-state step."""
         return self.graphs.captures + compile_events()
 
+    def _free_rows(self) -> list[int]:
+        """Cache rows neither running nor reserved by an admission (`_admitting`)."""
+        reserved = {s.slot for a in self._admitting for s in a.states}
+        return [i for i, s in enumerate(self.slots) if s is None and i not in reserved]
+
     def _admit(self) -> list[RequestOutput]:
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        if self.num_running and len(free) < min(self.min_admit, len(self.waiting)):
-            return []  # wait until a larger group of rows is free (min_admit)
+        """Admissions whose prefill has run join the batch (their first tokens); then waiting requests take the
+        free rows, their prefill launched (one pass for the group). With `side_prefill` it runs on the side
+        stream and the group joins at the first step after it has run, unless no row runs meanwhile: then the
+        step waits for it. Returns the joined requests' first tokens."""
+        outputs = self._join(wait=False)
+        launched = self._launch_admissions()
+        if launched is not None:
+            self._admitting.append(launched)
+        if self._admitting and (not self.side_prefill or self.num_running == 0):
+            outputs += self._join(wait=True)  # nothing else to run (or no side stream): wait for the prefill
+        return outputs
+
+    def _admit_beside(self) -> None:
+        """While a batch's calls run chained (`overlap`): launch waiting requests' prefills on the side stream into
+        the free rows, so they run beside the batch's next calls (`side_prefill` on CUDA)."""
+        if self.side_prefill and self.waiting:
+            launched = self._launch_admissions()
+            if launched is not None:
+                self._admitting.append(launched)
+
+    def _join(self, wait: bool) -> list[RequestOutput]:
+        """The admissions whose prefill has run (all of them, waiting for each, with `wait`), oldest first: their
+        rows join the batch with their first token committed. A request cancelled meanwhile leaves its row free."""
+        outputs = []
+        while self._admitting and (wait or self._admitting[0].done()):
+            a = self._admitting.pop(0)
+            first = _read(a.host, a.ready)
+            if a.ready is not None:  # the batch's later calls read the rows' cache and history behind the prefill
+                torch.cuda.current_stream(self.device).wait_event(a.ready)
+            for s, tok, n in zip(a.states, first, a.lengths):
+                if s.request.request_id in a.dropped:
+                    continue
+                s.length = n
+                self.slots[s.slot] = s
+                outputs.append(self._commit(s, [tok]))
+        return outputs
+
+    def _launch_admissions(self) -> "_Admission | None":
+        """Waiting requests into the free rows (at least `min_admit` of them while rows run, unless every waiting
+        request fits), their prefill launched (`_launch_prefill`); None when none is admitted."""
+        free = self._free_rows()
+        running = self.num_running + self.num_admitting
+        if running and len(free) < min(self.min_admit, len(self.waiting)):
+            return None  # wait until a larger group of rows is free (min_admit)
         batch: list[SlotState] = []
-        rows = self.num_running + min(len(free), len(self.waiting))  # the batch size these requests will run in
+        rows = running + min(len(free), len(self.waiting))  # the batch size these requests will run in
         while free and self.waiting:
             req = self.waiting.popleft()
             slot = free.pop(0)
@@ -837,12 +934,10 @@ class DecodeEngine:
             self._shadow(state, rows)
             if draft is None:
                 self._watch_lookup(state)
-            self.slots[slot] = state
-            self._reset_row(slot)
             batch.append(state)
         if not batch:
-            return []
-        return self._prefill(batch)
+            return None
+        return self._launch_prefill(batch)
 
     def _batch_to_lookup(self) -> None:
         """Move every row of a batch to its n-gram lookup alternative together where the governor prices lookup
@@ -936,7 +1031,27 @@ class DecodeEngine:
         if isinstance(self.draft_cache, WindowedKVCache):
             self.draft_cache.reset(torch.tensor([slot], device=self.device))
 
-    def _prefill(self, batch: list[SlotState]) -> list[RequestOutput]:
+    def _side(self):
+        """The context an admission's device work runs in: the side stream (`side_prefill` on CUDA), behind
+        everything launched so far on the batch's stream (a row's last call, still in flight, writes its cache
+        row), or where the batch runs."""
+        if self._side_stream is None:
+            return contextlib.nullcontext()
+        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self._side_stream)
+
+    def _launch_prefill(self, batch: list[SlotState]) -> "_Admission":
+        """The group's prefill (target, drafts, lookup histories) and first tokens, launched in `_side()`; the
+        rows are reserved until `_join` commits the first tokens."""
+        with self._side():
+            for s in batch:
+                self._reset_row(s.slot)
+            first, lens = self._prefill(batch)
+            host, ready = _fetch(first)
+        return _Admission(batch, host, ready, lens)
+
+    def _prefill(self, batch: list[SlotState]) -> tuple[torch.Tensor, list[int]]:
+        """-> (the rows' first tokens (b,) on the device, the prompts' lengths)."""
         device = self.device
         lens = [len(s.request.prompt_ids) for s in batch]
         t_max = max(lens)
@@ -950,18 +1065,15 @@ class DecodeEngine:
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
         capture = feature_layers_of(batch[i].draft for i in spec)
         trunk, hidden, logits, captured = self._prefill_target(tokens, rows, last, n_trunk, capture, bool(spec))
-        first = self._sample(batch, logits[:, 0])
+        first = self._sample_device(batch, logits[:, 0])
         if spec:
             self._prefill_drafts([batch[i] for i in spec], trunk[spec], hidden[spec], pos[spec], last[spec], t_max,
                                  [c[spec] for c in captured], capture)
-        results = []
-        for i, (s, tok, n) in enumerate(zip(batch, first, lens)):
-            s.length = n
+        for i, (s, n) in enumerate(zip(batch, lens)):
             if is_lookup(s.draft):  # its history: the prompt, then the first token (lookup rounds write the rest)
                 self.history[s.slot, :n] = tokens[i, :n]
-                self.history[s.slot, n] = tok
-            results.append(self._commit(s, [tok]))
-        return results
+                self.history[s.slot, n] = first[i]
+        return first, lens
 
     def _prefill_target(self, tokens, rows, last, n_trunk: int, capture: tuple[int, ...], drafts: bool):
         """The target's pass over prompts (b, T) (zero-padded past each row's length) -> (hidden after the first
@@ -990,7 +1102,8 @@ class DecodeEngine:
             outs = fn(tokens, last)
         else:
             padded = torch.nn.functional.pad(tokens, (0, t_run - t_max))
-            outs = self.run_graph(("prefill", t_run, n_trunk, capture, drafts), fn, rows, {"tokens": padded, "last": last})
+            outs = self.run_graph(("prefill", t_run, n_trunk, capture, drafts), fn, rows, {"tokens": padded, "last": last},
+                                  side=self._side_stream is not None)
         if not drafts:
             return None, None, outs[0], ()
         logits, trunk, hidden, *captured = outs
@@ -1041,12 +1154,9 @@ class DecodeEngine:
                 f = feats[i : i + 1, start:stop] if feats is not None else None
                 draft.adapters_forward(trunk[i : i + 1, start:stop], f, ctx)
 
-    def _sample(self, batch: list[SlotState], logits: torch.Tensor) -> list[int]:
-        """One token per row from logits (b, V), each row with its own parameters and generator."""
-        return self._sample_device(batch, logits).tolist()
-
     def _sample_device(self, batch: list[SlotState], logits: torch.Tensor) -> torch.Tensor:
-        """(b,) tokens, left on the device."""
+        """One token per row from logits (b, V), each row with its own parameters and generator: (b,) tokens, left
+        on the device."""
         if all(s.request.params.greedy for s in batch):
             return argmax(logits)
         params = [s.request.params for s in batch]
@@ -1115,6 +1225,7 @@ class DecodeEngine:
         unchanged (`_may_overlap`), then read its tokens and commit them for the rows still running (a row
         that stopped, or was cancelled, since the call was launched has its tokens dropped)."""
         ahead, self._ahead = self._ahead, None
+        self._admit_beside()
         if ahead.kind == "round":
             return self._resolve_round(ahead)
         t0, cold = time.perf_counter(), self._cold_events()
@@ -1247,25 +1358,26 @@ class DecodeEngine:
             return rows
         return torch.cat([rows, torch.full((pad,), self.scratch_row, dtype=rows.dtype, device=rows.device)])
 
-    def run_graph(self, key: tuple, fn, rows, inputs: dict, owners: tuple = ()) -> tuple:
+    def run_graph(self, key: tuple, fn, rows, inputs: dict, owners: tuple = (), side: bool = False) -> tuple:
         """fn(**inputs, rows=...) as a CUDA graph for these cache rows; outputs cut back to the real rows.
 
         Rows 0..n-1 with n a bucket size stay the constant slice `fn` was given (views, no gather). Any
         other rows run padded to the next bucket (inputs padded with zeros), with the rows as a graph
         input whose padding points at the scratch row: their graph depends only on the bucket, not on
         which rows they are (a bounded set of graphs that `warmup` can capture ahead of traffic).
-        `owners`: ids of the drafts the graph runs (`GraphCache.discard` drops it with them).
+        `owners`: ids of the drafts the graph runs (`GraphCache.discard` drops it with them); `side`: a graph
+        replayed on the side stream (`GraphCache.run`).
         """
         if isinstance(rows, slice):
             n = rows.stop - rows.start
             if rows.start == 0 and n == self.batch_bucket(n) and not self._scatter_rows:
-                return self.graphs.run(key + ("rows", n), fn, inputs, owners)
+                return self.graphs.run(key + ("rows", n), fn, inputs, owners, side)
             rows = torch.arange(rows.start, rows.stop, device=self.device)
         n = len(rows)
         padded = self.padded_rows(rows)
         pad = len(padded) - n
         inputs = {k: (torch.cat([v, v.new_zeros((pad, *v.shape[1:]))]) if pad else v) for k, v in inputs.items()}
-        outs = self.graphs.run(key + ("bucket",), fn, {**inputs, "rows": padded}, owners)
+        outs = self.graphs.run(key + ("bucket",), fn, {**inputs, "rows": padded}, owners, side)
         return tuple(o[:n] if o is not None else None for o in outs)
 
     def run_target(self, tokens, input_pos, layers: range, hidden, rows, kv_len: int, capture: tuple[int, ...] = ()):
@@ -1429,6 +1541,21 @@ class _Ahead:
     kind: str = "plain"  # or "round": a captured speculative round, `tokens` its packed outcome
     report: tuple | None = None  # a round: what to report to the gamma controller (`_round_spec`)
     greedy: bool = True
+
+
+@dataclasses.dataclass
+class _Admission:
+    """Requests admitted together whose prefill was launched (`DecodeEngine._launch_prefill`): their rows are
+    reserved until the prefill has run, then they join the batch (`DecodeEngine._join`)."""
+
+    states: list  # their SlotStates, rows assigned
+    host: torch.Tensor  # their first tokens in host memory, complete once `ready` is
+    ready: object  # CUDA event recorded after the prefill and the copy (None: done when launched)
+    lengths: list[int]  # their prompts' lengths
+    dropped: set = dataclasses.field(default_factory=set)  # ids of the requests cancelled meanwhile
+
+    def done(self) -> bool:
+        return self.ready is None or self.ready.query()
 
 
 def _fetch(tokens: torch.Tensor):

@@ -133,8 +133,6 @@ class EngineLoop:
                 self._deliver(out.request_id, out, last=out.finished)
 
     def _fail_all(self, message: str) -> None:
-        ids = [s.request.request_id for s in self.engine.slots if s is not None]
-        ids += [r.request_id for r in self.engine.waiting]
-        for request_id in ids:
+        for request_id in self.engine.request_ids():
             self.engine.cancel(request_id)
             self._deliver(request_id, StreamError(500, message), last=True)

@@ -248,8 +248,8 @@ class GeneratorCore:
                "drafts": dict(self.versions), "refused": dict(self.refusals)}
         if self.loop is not None:
             eng = self.loop.engine
-            out.update(model=self.model_name, running=eng.num_running, waiting=len(eng.waiting),
-                       in_flight=self.loop.in_flight, max_batch_size=eng.max_batch_size,
+            out.update(model=self.model_name, running=eng.num_running, admitting=eng.num_admitting,
+                       waiting=len(eng.waiting), in_flight=self.loop.in_flight, max_batch_size=eng.max_batch_size,
                        steps=self.loop.steps, cache_bytes=eng.memory_report()["target_cache"])
         return out
 

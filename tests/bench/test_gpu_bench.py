@@ -486,6 +486,32 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     assert rows[base]().eng.plain_timed_from_read is True
 
 
+def test_side_prefill_off_rows_run_lookup_and_the_service_with_prefills_stopping_the_batch(tiny_target):
+    """--side-prefill off: lookup at the largest gamma overlapped and the service's setting again with every
+    admission's prefill stopping the batch (DecodeEngine(side_prefill=False)); the other rows keep the default."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), side_prefill="off")
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
+    stopping = [name for name in rows if name.endswith("prefills stopping the batch")]
+    assert stopping == ["FlashSpec lookup, gamma 3, overlapped, prefills stopping the batch",
+                        base + ", prefills stopping the batch"]
+    built = [rows[name]() for name in stopping]
+    assert [(r.eng.side_prefill, r.eng.overlap) for r in built] == [(False, True), (False, True)]
+    assert bench.engine_row(*workload, None, engine_kw={"side_prefill": True}).eng.side_prefill  # the keywords reach it
+    bench.args.side_prefill = "on"
+    assert not any("stopping" in name for name in lookup_rows(bench, workload, None, "", best))
+
+
 def test_paths_sum_a_pass_s_tokens_by_the_drafter_each_round_ran():
     """Draft rounds and lookup rounds by the drafter each ran (an alternative's name is "<draft>/<its name>"), plain
     decoding's tokens as the rest of each request's (its prefill's first token included), and requests that moved."""

@@ -779,6 +779,120 @@ def test_prefill_graphs_are_on_by_default_wherever_graphs_are(target, monkeypatc
     assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate").prefill_graphs
 
 
+# ----- admissions beside the running rows (DecodeEngine(side_prefill=True)) -----------------------------------
+
+
+def _slow_prefills(monkeypatch, polls: int = 2) -> None:
+    """Each admission's prefill reads as still running the first `polls` times it is asked (on the CPU a launched
+    prefill is done at once): the running rows then keep decoding beside it, as on a GPU's second stream."""
+    from engine import scheduler
+
+    real = scheduler._Admission.done
+
+    def done(self):
+        self.polled = getattr(self, "polled", 0) + 1
+        return self.polled > polls and real(self)
+
+    monkeypatch.setattr(scheduler._Admission, "done", done)
+
+
+def _admission_traffic(target, eng, names):
+    """12 requests of different lengths and draft names (a seeded sampled one among them) on a smaller batch: most
+    are admitted while other rows run. -> (tokens by request, steps at which an admission was pending while rows
+    ran, chained calls launched while one was pending)."""
+    vocab = target.args.vocab_size
+    lengths = (5, 17, 2, 30, 9, 12, 7, 21, 3, 14, 6, 11)
+    news = (4, 30, 9, 25, 3, 18, 22, 6, 15, 11, 1, 20)
+    prompts = prompts_for(vocab, lengths)
+    requests = [Request(f"r{i}", prompts[i], SamplingParams(max_new_tokens=news[i], eos_token_ids=(),
+                                                            temperature=0.9 if i == 5 else 0.0, seed=i),
+                        names[i % len(names)]) for i in range(len(lengths))]
+    for r in requests:
+        eng.add_request(r)
+    got = {r.request_id: [] for r in requests}
+    beside, chained = 0, []
+    real = eng._launch_next_round
+    eng._launch_next_round = lambda *a: chained.append(bool(eng._admitting)) or real(*a)
+    while eng.has_work():
+        beside += bool(eng._admitting) and eng.num_running > 0
+        for out in eng.step():
+            got[out.request_id].extend(out.token_ids)
+    eng.settle()
+    assert not eng.has_work() and eng.num_admitting == 0 and len(eng._free_rows()) == eng.max_batch_size
+    return got, beside, sum(chained), requests, news
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["one call at a time", "overlapped"])
+def test_admissions_beside_running_rows_give_the_same_tokens(target, monkeypatch, overlap):
+    """With side_prefill, an admission's prefill runs while the other rows keep decoding and its rows join once it
+    has run: lookup, draft (deep features, a windowed draft cache) and plain rows, greedy and seeded sampled, give
+    the same tokens as with every admission stopping the batch, and the greedy ones plain decoding's."""
+    _slow_prefills(monkeypatch)
+    names = ["lookup", "deep", None, "lookup", "win"]
+
+    def run(side):
+        eng = _lookup_engine(target, "emulate", overlap, extra={"deep": oracle(target, deep=True),
+                                                                "win": noisy(oracle(target), 0.4)},
+                             side_prefill=side)
+        return _admission_traffic(target, eng, names)
+
+    stopped, stopped_beside, _, requests, news = run(False)
+    got, beside, chained, _, _ = run(True)
+    assert got == stopped
+    assert stopped_beside == 0 and beside > 5  # without it no row runs while an admission is pending
+    assert (chained > 0) == overlap  # chained calls ran while a prefill did
+    for i, r in enumerate(requests):
+        assert len(got[r.request_id]) == news[i]
+        if not r.params.temperature:
+            assert got[r.request_id] == ar_greedy(target, (len(r.prompt_ids),), news[i])[0], f"request {i}"
+
+
+def test_a_request_cancelled_while_its_prefill_runs_leaves_its_row_free(target, monkeypatch):
+    """An admitting request (its prefill launched, its row reserved) is listed, can be cancelled, never produces a
+    token, and its row takes the next request; the others are unaffected."""
+    _slow_prefills(monkeypatch, polls=3)
+    eng = _lookup_engine(target, "emulate", overlap=True, side_prefill=True)
+    vocab = target.args.vocab_size
+    prompts = prompts_for(vocab, (9, 4, 14, 6))
+    params = SamplingParams(max_new_tokens=20, eos_token_ids=())
+    for i in range(2):
+        eng.add_request(Request(f"r{i}", prompts[i], params, "lookup"))
+    seen = {}
+
+    def arrive(e):
+        e.add_request(Request("r2", prompts[2], params, "lookup"))
+        e.add_request(Request("r3", prompts[3], params))
+
+    def cancel(e):
+        assert e.num_admitting == 0 or "r2" in e.request_ids()
+        seen["admitting"] = e.num_admitting
+        assert e.cancel("r2")
+
+    eng.max_batch_size = 4
+    got, _ = drive(eng, {2: arrive, 3: cancel})
+    assert seen["admitting"] >= 1  # r2 was admitting when cancelled
+    assert "r2" not in got and not eng.cancel("r2")
+    for i in (0, 1, 3):
+        assert got[f"r{i}"] == ar_greedy(target, (len(prompts[i]),), 20)[0]
+    assert not eng.has_work() and len(eng._free_rows()) == 4
+
+
+def test_side_prefill_is_on_by_default_only_where_graphs_are_captured(target, monkeypatch):
+    """Only a second CUDA stream runs a prefill beside the batch: an engine capturing graphs on CUDA takes it unless
+    FLASHSPEC_SIDE_PREFILL=0; on the CPU (eager or emulated graphs) it is off unless asked for (the bookkeeping
+    alone, for tests)."""
+    from engine.scheduler import side_prefill_default
+
+    monkeypatch.delenv("FLASHSPEC_SIDE_PREFILL", raising=False)
+    assert side_prefill_default()
+    assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32).side_prefill
+    assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate").side_prefill
+    eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate", side_prefill=True)
+    assert eng.side_prefill and eng._side_stream is None
+    monkeypatch.setenv("FLASHSPEC_SIDE_PREFILL", "0")
+    assert not side_prefill_default()
+
+
 def test_replacing_a_draft_drops_its_graphs(target):
     eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=64, spec=SpecConfig(3, 3), cuda_graphs="emulate")
     first = oracle(target)

@@ -232,6 +232,48 @@ def test_overlapped_rounds_match_one_round_at_a_time(temperature):
     assert outs[True] == outs[False]
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["one call at a time", "overlapped"])
+def test_prefills_on_the_side_stream_match_a_stopped_batch(overlap):
+    """DecodeEngine(side_prefill=True) on a second CUDA stream: admissions' prefills (graphs of their own pool,
+    captured on a stream of their own) run while the other rows decode; lookup, draft and plain rows, greedy and
+    seeded sampled, give the same tokens as with every admission stopping the batch."""
+    from engine.lookup import LookupDraft
+    from engine.requests import Request
+
+    target = tiny_target(torch.float32)
+    draft = DraftModel(target, DraftConfig(shared_layers=1, adapter_layers=2, head="mlp_tied", feature_input="deep"))
+    draft.init_from_target()
+    lengths = (5, 170, 2, 300, 9, 120, 7, 210, 3, 140, 60, 11)
+    news = (4, 30, 9, 25, 3, 18, 22, 6, 15, 11, 1, 20)
+    names = ["lookup", "d", None, "lookup"]
+    outs, beside = {}, {}
+    for side in (False, True):
+        eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=512, spec=SpecConfig(5, 5), overlap=overlap,
+                           side_prefill=side)
+        eng.add_draft("lookup", LookupDraft())
+        eng.add_draft("d", draft)
+        assert (eng._side_stream is not None) == side
+        launched, real = [], eng._launch_prefill
+        eng._launch_prefill = lambda batch: launched.append(eng.num_running) or real(batch)
+        for i, n in enumerate(lengths):
+            prompt = [(7 + 13 * i + 5 * j) % 200 + 2 for j in range(n)]
+            eng.add_request(Request(f"r{i}", prompt, SamplingParams(max_new_tokens=news[i], eos_token_ids=(),
+                                                                    temperature=1.0 if i == 5 else 0.0, seed=i),
+                                    names[i % 4]))
+        got = {f"r{i}": [] for i in range(len(lengths))}
+        while eng.has_work():
+            for out in eng.step():
+                got[out.request_id].extend(out.token_ids)
+        eng.settle()
+        outs[side] = got
+        beside[side] = sum(n > 0 for n in launched)
+        assert not eng.has_work() and all(len(got[f"r{i}"]) == n for i, n in enumerate(news))
+        assert any(k[0] == "prefill" for k in eng.graphs.graphs)
+        assert all(("side" in k) == side for k in eng.graphs.graphs if k[0] == "prefill")
+    assert outs[True] == outs[False]
+    assert beside[True] >= 4  # admitted while other rows ran
+
+
 def test_graph_kernels_counts_a_graphs_kernel_nodes():
     """bench.gpu counts kernels from the captured graph (no profiler: it would slow every later launch)."""
     from bench.gpu import count_kernels
