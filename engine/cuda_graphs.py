@@ -73,10 +73,11 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle() if enabled and capture else None
         # Graphs that replay on a second stream beside those of the first (`run(side=True)`: admissions' prefills,
         # `DecodeEngine.side_prefill`) get a pool of their own, since their replays overlap the others', and are
-        # captured on a stream of their own: cuBLAS hands each capture stream one workspace, which every graph
-        # captured on it then uses in its replays (torch.cuda.graph captures on one stream unless told). Made on
-        # first use; the capture stream comes from the high-priority pool, so no other capture draws it.
-        self._side: tuple | None = None
+        # captured on the stream they replay on (`side_stream`, set by the engine): cuBLAS hands each capture
+        # stream one workspace, which every graph captured on it then uses in its replays, and torch.cuda.graph
+        # captures every other graph on one stream of its own.
+        self.side_stream = None
+        self._side_pool_handle = None
         self.graphs: dict[tuple, CapturedStep] = {}
         self.owners: dict[tuple, tuple] = {}  # graph key -> ids of the drafts it runs
         self.captures = 0  # graphs captured so far (len() drops when `discard` removes some)
@@ -104,9 +105,9 @@ class GraphCache:
         """(memory pool, capture stream) of the side graphs (`run(side=True)`)."""
         if not self.capture:
             return None, None
-        if self._side is None:
-            self._side = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(priority=-1))
-        return self._side
+        if self._side_pool_handle is None:
+            self._side_pool_handle = torch.cuda.graph_pool_handle()
+        return self._side_pool_handle, self.side_stream
 
     def discard(self, owner: int) -> int:
         """Drop every graph that runs the draft with this id (it was replaced or removed)."""

@@ -44,6 +44,11 @@ def prefill_graphs_default() -> bool:
     return os.environ.get("FLASHSPEC_PREFILL_GRAPHS", "1") != "0"
 
 
+# Stream priorities with side_prefill (lower is higher; each level has its own pool of streams, and the level-0 pool
+# holds the stream torch.cuda.graph captures the other graphs on).
+MAIN_PRIORITY, SIDE_PRIORITY = -2, -1
+
+
 def side_prefill_default() -> bool:
     """Whether a DecodeEngine built without `side_prefill` runs admissions' prefills on a second CUDA stream beside
     the running rows (where it captures graphs on CUDA): yes, unless FLASHSPEC_SIDE_PREFILL=0 in the environment."""
@@ -170,8 +175,16 @@ class DecodeEngine:
             side_prefill = side_prefill_default() and use_graphs and cuda_graphs != "emulate" and not INLINE_MERGE
         self.side_prefill = side_prefill
         # The stream admissions' prefills run on (`side_prefill` on CUDA), and the admissions launched there whose
-        # rows have not joined the batch yet, oldest first.
-        self._side_stream = torch.cuda.Stream(self.device) if side_prefill and self.device.type == "cuda" else None
+        # rows have not joined the batch yet, oldest first. Beside it every step runs on a stream of higher
+        # priority (`step`): the GPU's block scheduler then starts the running rows' small kernels before the
+        # prefill's wide ones wherever both wait, so a prefill fills what the rows leave idle instead of
+        # delaying each of their kernels. The side stream also captures the prefill graphs (`GraphCache.side_stream`):
+        # their cuBLAS workspace is then one that nothing on another stream uses.
+        self._side_stream = self._main_stream = None
+        if side_prefill and self.device.type == "cuda":
+            self._side_stream = torch.cuda.Stream(self.device, priority=SIDE_PRIORITY)
+            self._main_stream = torch.cuda.Stream(self.device, priority=MAIN_PRIORITY)
+            self.graphs.side_stream = self._side_stream
         self._admitting: list[_Admission] = []
         self.lookup_replay = lookup_replay
         self.eos = frozenset(eos_token_ids if eos_token_ids is not None else model.args.eos_token_ids)
@@ -540,6 +553,20 @@ class DecodeEngine:
     # ----- the step -----------------------------------------------------------------------
     @torch.no_grad()  # decoding never needs autograd, whatever the weights' requires_grad (a draft in training)
     def step(self) -> list[RequestOutput]:
+        """Admit, join and advance every running row once (`_step`). With a side stream (`side_prefill` on CUDA)
+        on the engine's own stream of higher priority, behind whatever the caller's stream holds, and the
+        caller's stream behind it afterwards: to work outside the steps the engine keeps one stream's order."""
+        if self._main_stream is None:
+            return self._step()
+        caller = torch.cuda.current_stream(self.device)
+        self._main_stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self._main_stream):
+                return self._step()
+        finally:
+            caller.wait_stream(self._main_stream)
+
+    def _step(self) -> list[RequestOutput]:
         if self._ahead is not None:
             return self._resolve_ahead()
         outputs: list[RequestOutput] = []
