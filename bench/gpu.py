@@ -28,8 +28,9 @@ keywords);
 priced from its step's start (the host's work between reads left out, as before);
 `--lookup-lone 12,15` adds the service's setting again with a lone greedy row's lookup gamma at each of those;
 `--comeback-prices off` adds the service's setting again with plain rows' replays of lookup not pricing it;
-`--side-prefill off` adds plain decoding (fused, alone and overlapped), lookup at the largest gamma overlapped and the
-service's setting again with each admission's prefill stopping the batch (`DecodeEngine(side_prefill=False)`);
+`--side-prefill` adds plain decoding (fused, alone and overlapped), lookup at the largest gamma overlapped and the
+service's setting again with each admission's prefill on a second stream beside the running rows
+(`DecodeEngine(side_prefill=True)`);
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
 without a streak gamma (and at each streak gamma other than its default);
@@ -782,6 +783,9 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
     return rows + lookup_rows(bench, workload, ref, suffix, best)
 
 
+
+BESIDE = ", prefills beside the running rows"  # the rows of --side-prefill (DecodeEngine(side_prefill=True))
+
 def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict | None = None) -> list[tuple]:
     """(name, build) for rows whose requests name an n-gram lookup drafter (--lookup gammas): at each gamma alone
     and overlapped, and at the largest in the service's setting (governor, overlapped); with `best` (the best
@@ -820,11 +824,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     settings = [(f", return window {w}", {"return_window": w}) for w in getattr(bench.args, "return_window", ())]
     settings += [(", governor " + ", ".join(f"{k}={v}" for k, v in kw.items()), kw)
                  for kw in getattr(bench.args, "governor_rows", ())]
-    if getattr(bench.args, "side_prefill", "on") == "off":  # every admission's prefill stopping the batch, as before
-        stopping = {"side_prefill": False}
-        rows.append(alone(lookup, top, ", overlapped, prefills stopping the batch", overlap=True, engine_kw=stopping))
+    if getattr(bench.args, "side_prefill", False):  # admissions' prefills beside the running rows
+        beside = {"side_prefill": True}
+        rows.append(alone(lookup, top, ", overlapped" + BESIDE, overlap=True, engine_kw=beside))
         if best:
-            rows.append(service(after=", prefills stopping the batch", engine_kw=stopping))
+            rows.append(service(after=BESIDE, engine_kw=beside))
     if best and getattr(bench.args, "comeback_prices", "on") == "off":  # plain rows' replays not pricing lookup
         rows.append(service(after=", plain rows' replays not pricing lookup", engine_attrs={"comeback_prices": False}))
     if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
@@ -883,10 +887,10 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
         workload = (prompts, domains, new, greedy, bs)
         rows = [("engine AR (fused)", lambda: bench.engine_row(*workload, None, reference=ref)),
                 ("engine AR (fused, overlapped)", lambda: bench.engine_row(*workload, None, reference=ref, overlap=True))]
-        if args.side_prefill == "off":  # plain decoding with every admission's prefill stopping the batch, as before
-            rows += [(f"engine AR (fused{more}), prefills stopping the batch",
+        if args.side_prefill:  # plain decoding with admissions' prefills beside the running rows
+            rows += [(f"engine AR (fused{more}){BESIDE}",
                       lambda overlap=overlap: bench.engine_row(*workload, None, reference=ref, overlap=overlap,
-                                                               engine_kw={"side_prefill": False}))
+                                                               engine_kw={"side_prefill": True}))
                      for more, overlap in (("", False), (", overlapped", True))]
         if best:
             rows += best_rows(bench, workload, best, ref, " (fused)", args.blocks)
@@ -1084,10 +1088,11 @@ def main() -> None:
                         help="with --lookup, off: also the service's setting with a plain row's replay of lookup only "
                              "watching for its way back, not pricing lookup for its domain "
                              "(DecodeEngine.comeback_prices False, as before), side by side")
-    parser.add_argument("--side-prefill", choices=("on", "off"), default="on",
-                        help="off: also plain decoding (fused, alone and overlapped) and, with --lookup, lookup at the "
-                             "largest gamma overlapped and the service's setting with every admission's prefill "
-                             "stopping the batch (DecodeEngine(side_prefill=False), as before), side by side")
+    parser.add_argument("--side-prefill", action="store_true",
+                        help="also plain decoding (fused, alone and overlapped) and, with --lookup, lookup at the "
+                             "largest gamma overlapped and the service's setting with each admission's prefill on a "
+                             "second CUDA stream beside the running rows (DecodeEngine(side_prefill=True)), side by "
+                             "side")
     parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "

@@ -51,8 +51,8 @@ MAIN_PRIORITY, SIDE_PRIORITY = -2, -1
 
 def side_prefill_default() -> bool:
     """Whether a DecodeEngine built without `side_prefill` runs admissions' prefills on a second CUDA stream beside
-    the running rows (where it captures graphs on CUDA): yes, unless FLASHSPEC_SIDE_PREFILL=0 in the environment."""
-    return os.environ.get("FLASHSPEC_SIDE_PREFILL", "1") != "0"
+    the running rows (where it captures graphs on CUDA): no, unless FLASHSPEC_SIDE_PREFILL=1 in the environment."""
+    return os.environ.get("FLASHSPEC_SIDE_PREFILL", "0") == "1"
 
 
 def governed(request: Request, name: str | None = None) -> str:
@@ -131,12 +131,15 @@ class DecodeEngine:
         True: every greedy request (at bs 8 it cost the service 3-4 %, run 38); False: none. Unless False, a plain
         row's replay (kept to watch for its way back to lookup, `_watch_lookup`) prices lookup too
         (`comeback_prices`).
-        side_prefill: admissions' prefills run on a second CUDA stream while the running rows keep decoding; the
-        new rows join the batch at the first step after their prefill has run (`_admit`, `_join`). Without it a
-        batch stops for each admission's prefill (at bs 8 on the H200, 24 single-row 512-token prefills were
-        about 74 ms of a 546 ms pass; run 41). Default: on where the engine captures CUDA graphs
-        (FLASHSPEC_SIDE_PREFILL=0 turns it off); True on CPU (tests) runs the same bookkeeping, the prefill
-        done by the time it returns."""
+        side_prefill: admissions' prefills run on a second CUDA stream while the running rows keep decoding (on a
+        stream of higher priority); the new rows join the batch at the first step after their prefill has run
+        (`_admit`, `_join`). Without it a batch stops for each admission's prefill. Off by default
+        (FLASHSPEC_SIDE_PREFILL=1 turns it on where the engine captures graphs on CUDA): on the H200 at bs 8 it did
+        not pay (bench/RESULTS.md run 42: the service's setting -1.5 to +2.5 % over two processes, plain decoding
+        level): a 512-token prefill's wide kernels slow the rows' small kernels beside it about as much as stopping
+        them does (rounds 1.54 against 1.32 ms a step beside it), and each admission costs the chain of overlapped
+        calls one more stop. True on CPU (tests) runs the same bookkeeping, the prefill done by the time it
+        returns."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         if not (isinstance(lookup_replay, bool) or lookup_replay == "alone"):

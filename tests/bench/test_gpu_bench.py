@@ -58,7 +58,7 @@ def test_a_failing_row_is_kept_with_its_error_and_the_table_goes_on():
     assert all(line.count("|") == lines[2].count("|") for line in lines)  # the failed row keeps the columns
 
 
-@pytest.mark.parametrize("module", ["bench.round_profile", "bench.flashinfer_probe"])
+@pytest.mark.parametrize("module", ["bench.round_profile", "bench.flashinfer_probe", "bench.side_prefill_probe"])
 def test_gpu_scripts_without_a_gpu_say_so_and_where_to_run_them(module):
     import subprocess
     import sys
@@ -486,9 +486,9 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     assert rows[base]().eng.plain_timed_from_read is True
 
 
-def test_side_prefill_off_rows_run_lookup_and_the_service_with_prefills_stopping_the_batch(tiny_target):
-    """--side-prefill off: lookup at the largest gamma overlapped and the service's setting again with every
-    admission's prefill stopping the batch (DecodeEngine(side_prefill=False)); the other rows keep the default."""
+def test_side_prefill_rows_run_lookup_and_the_service_with_prefills_beside_the_running_rows(tiny_target):
+    """--side-prefill: lookup at the largest gamma overlapped and the service's setting again with each admission's
+    prefill beside the running rows (DecodeEngine(side_prefill=True)); the other rows keep the default (off)."""
     import argparse
 
     from bench.gpu import Bench, lookup_rows
@@ -496,20 +496,20 @@ def test_side_prefill_off_rows_run_lookup_and_the_service_with_prefills_stopping
     from drafts.model import DraftModel
 
     bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), side_prefill="off")
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), side_prefill=True)
     bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
     best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
-    stopping = [name for name in rows if name.endswith("prefills stopping the batch")]
-    assert stopping == ["FlashSpec lookup, gamma 3, overlapped, prefills stopping the batch",
-                        base + ", prefills stopping the batch"]
-    built = [rows[name]() for name in stopping]
-    assert [(r.eng.side_prefill, r.eng.overlap) for r in built] == [(False, True), (False, True)]
-    assert bench.engine_row(*workload, None, engine_kw={"side_prefill": True}).eng.side_prefill  # the keywords reach it
-    bench.args.side_prefill = "on"
-    assert not any("stopping" in name for name in lookup_rows(bench, workload, None, "", best))
+    beside = [name for name in rows if name.endswith("prefills beside the running rows")]
+    assert beside == ["FlashSpec lookup, gamma 3, overlapped, prefills beside the running rows",
+                      base + ", prefills beside the running rows"]
+    built = [rows[name]() for name in beside]
+    assert [(r.eng.side_prefill, r.eng.overlap) for r in built] == [(True, True), (True, True)]
+    assert not rows[base]().eng.side_prefill
+    bench.args.side_prefill = False
+    assert not any("beside" in name for name in lookup_rows(bench, workload, None, "", best))
 
 
 def test_paths_sum_a_pass_s_tokens_by_the_drafter_each_round_ran():

@@ -877,20 +877,20 @@ def test_a_request_cancelled_while_its_prefill_runs_leaves_its_row_free(target, 
     assert not eng.has_work() and len(eng._free_rows()) == 4
 
 
-def test_side_prefill_is_on_by_default_only_where_graphs_are_captured(target, monkeypatch):
-    """Only a second CUDA stream runs a prefill beside the batch: an engine capturing graphs on CUDA takes it unless
-    FLASHSPEC_SIDE_PREFILL=0; on the CPU (eager or emulated graphs) it is off unless asked for (the bookkeeping
-    alone, for tests)."""
+def test_side_prefill_is_off_unless_asked_for_and_needs_captured_graphs(target, monkeypatch):
+    """Side prefill is off by default (it did not pay on the H200); FLASHSPEC_SIDE_PREFILL=1 turns it on for an
+    engine capturing graphs on CUDA, never for one on the CPU (eager or emulated graphs), which takes it only when
+    asked for (the bookkeeping alone, for tests)."""
     from engine.scheduler import side_prefill_default
 
     monkeypatch.delenv("FLASHSPEC_SIDE_PREFILL", raising=False)
+    assert not side_prefill_default()
+    monkeypatch.setenv("FLASHSPEC_SIDE_PREFILL", "1")
     assert side_prefill_default()
     assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32).side_prefill
     assert not DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate").side_prefill
     eng = DecodeEngine(target, None, max_batch_size=1, max_seq_len=32, cuda_graphs="emulate", side_prefill=True)
-    assert eng.side_prefill and eng._side_stream is None
-    monkeypatch.setenv("FLASHSPEC_SIDE_PREFILL", "0")
-    assert not side_prefill_default()
+    assert eng.side_prefill and eng._side_stream is None and eng._main_stream is None
 
 
 def test_replacing_a_draft_drops_its_graphs(target):

@@ -75,8 +75,8 @@ def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, 
     eng.add_draft("lookup", LookupDraft(gammas=gammas))
     got = generate(eng, prompts, params, "lookup")
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    # The rounds' gammas: 8 for a row left alone (or alone while the others' prefills run beside it), 15 after it
-    # accepted a whole round.
+    # The rounds' gammas: 8 for a row left alone (with side_prefill also while the others' prefills run beside it),
+    # 15 after it accepted a whole round.
     ran = {k[3] for k in eng.graphs.graphs if k[0] == "lookup-round"}
     assert (5 in ran and ran <= {5, 8, 15}) if gammas is None else ran == {15}, ran
     assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
