@@ -135,8 +135,8 @@ class DecodeEngine:
         stream of higher priority); the new rows join the batch at the first step after their prefill has run
         (`_admit`, `_join`). Without it a batch stops for each admission's prefill. Off by default
         (FLASHSPEC_SIDE_PREFILL=1 turns it on where the engine captures graphs on CUDA): on the H200 at bs 8 it did
-        not pay (bench/RESULTS.md run 42: the service's setting -1.5 to +2.5 % over two processes, plain decoding
-        level): a 512-token prefill's wide kernels slow the rows' small kernels beside it about as much as stopping
+        not pay (bench/RESULTS.md run 42: the service's setting +1.0 and +2.5 %, lookup alone +1.3 and -1.5 % in two
+        processes, -2.3 % in a third): a 512-token prefill's wide kernels slow the rows' small kernels beside it about as much as stopping
         them does (rounds 1.54 against 1.32 ms a step beside it), and each admission costs the chain of overlapped
         calls one more stop. True on CPU (tests) runs the same bookkeeping, the prefill done by the time it
         returns."""
