@@ -469,7 +469,8 @@ class EngineRow:
         self.eng = DecodeEngine(bench.loaded.model, bench.tok, max_batch_size=bs, max_seq_len=max_len,
                                 spec=SpecConfig(gamma, block, tree_width=tree, tree_seeded=True), governor=self.gov, mixed_round_graph=mixed_round_graph,
                                 gamma=self.controller, overlap=overlap,
-                                **({} if lookup_replay is None else {"lookup_replay": lookup_replay}), **(engine_kw or {}))
+                                **({} if lookup_replay is None else {"lookup_replay": lookup_replay}),
+                                **(engine_kw or {}))
         for name, value in (engine_attrs or {}).items():  # an engine switch measured side by side
             if not hasattr(self.eng, name):
                 raise AttributeError(f"DecodeEngine has no attribute {name!r} to set")

@@ -90,7 +90,8 @@ class GraphCache:
         pool and capture stream."""
         if not self.enabled:
             return fn(**inputs)
-        full_key = key + owners + (("side",) if side else ()) + tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
+        shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in inputs.items())
+        full_key = key + owners + (("side",) if side else ()) + shapes
         step = self.graphs.get(full_key)
         if step is None:
             pool, stream = self._side_pool() if side else (self.pool, None)

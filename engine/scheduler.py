@@ -136,9 +136,9 @@ class DecodeEngine:
         (`_admit`, `_join`). Without it a batch stops for each admission's prefill. Off by default
         (FLASHSPEC_SIDE_PREFILL=1 turns it on where the engine captures graphs on CUDA): on the H200 at bs 8 it did
         not pay (bench/RESULTS.md run 42: the service's setting +1.0 and +2.5 %, lookup alone +1.3 and -1.5 % in two
-        processes, -2.3 % in a third): a 512-token prefill's wide kernels slow the rows' small kernels beside it about as much as stopping
-        them does (rounds 1.54 against 1.32 ms a step beside it), and each admission costs the chain of overlapped
-        calls one more stop. True on CPU (tests) runs the same bookkeeping, the prefill done by the time it
+        processes, -2.3 % in a third): a 512-token prefill's wide kernels slow the rows' small kernels beside it
+        about as much as stopping them does (rounds 1.54 against 1.32 ms a step beside it), and each admission
+        costs the chain of overlapped calls one more stop. True on CPU (tests) runs the same bookkeeping, the prefill done by the time it
         returns."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
@@ -179,10 +179,10 @@ class DecodeEngine:
         self.side_prefill = side_prefill
         # The stream admissions' prefills run on (`side_prefill` on CUDA), and the admissions launched there whose
         # rows have not joined the batch yet, oldest first. Beside it every step runs on a stream of higher
-        # priority (`step`): the GPU's block scheduler then starts the running rows' small kernels before the
-        # prefill's wide ones wherever both wait, so a prefill fills what the rows leave idle instead of
-        # delaying each of their kernels. The side stream also captures the prefill graphs (`GraphCache.side_stream`):
-        # their cuBLAS workspace is then one that nothing on another stream uses.
+        # priority (`step`), so that the GPU's block scheduler starts the running rows' small kernels before the
+        # prefill's wide ones wherever both wait (on the H200 the rows were still slowed about as much: run 42).
+        # The side stream also captures the prefill graphs (`GraphCache.side_stream`): their cuBLAS workspace is
+        # then one that nothing on another stream uses.
         self._side_stream = self._main_stream = None
         if side_prefill and self.device.type == "cuda":
             self._side_stream = torch.cuda.Stream(self.device, priority=SIDE_PRIORITY)
@@ -547,7 +547,8 @@ class DecodeEngine:
     def request_ids(self) -> list[str]:
         """Every request the engine holds: running, admitting, waiting."""
         ids = [s.request.request_id for s in self.slots if s is not None]
-        ids += [s.request.request_id for a in self._admitting for s in a.states if s.request.request_id not in a.dropped]
+        ids += [s.request.request_id for a in self._admitting for s in a.states
+                if s.request.request_id not in a.dropped]
         return ids + [r.request_id for r in self.waiting]
 
     def has_work(self) -> bool:
@@ -862,16 +863,16 @@ class DecodeEngine:
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
         """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
         every running row, all speculating or all plain as `speculating` says (no request waits for a free row,
-        no admission's rows wait to join: `_admit_beside` launches their prefill beside the chain), and every row still wants the `span` tokens of both calls and has the context for them, so the next
-        call is exactly what the next step would have run (only a stop token or string met meanwhile can make
-        its work for a row unwanted)."""
+        no admission's rows wait to join: `_admit_beside` launches their prefill beside the chain), and every row
+        still wants the `span` tokens of both calls and has the context for them, so the next call is exactly what
+        the next step would have run (only a stop token or string met meanwhile can make its work for a row
+        unwanted)."""
         if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
             return False
         if self.waiting and self._free_rows():
             return False  # admitted at the next step (with `side_prefill`, `_admit_beside` took what it could)
         if self._admitting and self._admitting[0].done():
             return False  # rows whose prefill has run join at the next step
-
         # Last (it asks the governor): a batch about to move to lookup runs its next step unchained (`_batch_to_lookup`).
         return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
@@ -922,7 +923,7 @@ class DecodeEngine:
 
     def _admit_beside(self) -> None:
         """While a batch's calls run chained (`overlap`): launch waiting requests' prefills on the side stream into
-        the free rows, so they run beside the batch's next calls (`side_prefill` on CUDA)."""
+        the free rows, so they run beside the batch's next calls (`side_prefill`)."""
         if self.side_prefill and self.waiting:
             launched = self._launch_admissions()
             if launched is not None:
@@ -1132,8 +1133,8 @@ class DecodeEngine:
             outs = fn(tokens, last)
         else:
             padded = torch.nn.functional.pad(tokens, (0, t_run - t_max))
-            outs = self.run_graph(("prefill", t_run, n_trunk, capture, drafts), fn, rows, {"tokens": padded, "last": last},
-                                  side=self._side_stream is not None)
+            outs = self.run_graph(("prefill", t_run, n_trunk, capture, drafts), fn, rows,
+                                  {"tokens": padded, "last": last}, side=self._side_stream is not None)
         if not drafts:
             return None, None, outs[0], ()
         logits, trunk, hidden, *captured = outs
