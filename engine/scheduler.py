@@ -914,9 +914,7 @@ class DecodeEngine:
         stream and the group joins at the first step after it has run, unless no row runs meanwhile: then the
         step waits for it. Returns the joined requests' first tokens."""
         outputs = self._join(wait=False)
-        launched = self._launch_admissions()
-        if launched is not None:
-            self._admitting.append(launched)
+        self._launch_admissions()
         if self._admitting and (not self.side_prefill or self.num_running == 0):
             outputs += self._join(wait=True)  # nothing else to run (or no side stream): wait for the prefill
         return outputs
@@ -925,9 +923,7 @@ class DecodeEngine:
         """While a batch's calls run chained (`overlap`): launch waiting requests' prefills on the side stream into
         the free rows, so they run beside the batch's next calls (`side_prefill`)."""
         if self.side_prefill and self.waiting:
-            launched = self._launch_admissions()
-            if launched is not None:
-                self._admitting.append(launched)
+            self._launch_admissions()
 
     def _join(self, wait: bool) -> list[RequestOutput]:
         """The admissions whose prefill has run (all of them, waiting for each, with `wait`), oldest first: their
@@ -946,13 +942,13 @@ class DecodeEngine:
                 outputs.append(self._commit(s, [tok]))
         return outputs
 
-    def _launch_admissions(self) -> "_Admission | None":
+    def _launch_admissions(self) -> None:
         """Waiting requests into the free rows (at least `min_admit` of them while rows run, unless every waiting
-        request fits), their prefill launched (`_launch_prefill`); None when none is admitted."""
+        request fits), their prefill launched (`_launch_prefill`) and the group added to `_admitting`."""
         free = self._free_rows()
         running = self.num_running + self.num_admitting
         if running and len(free) < min(self.min_admit, len(self.waiting)):
-            return None  # wait until a larger group of rows is free (min_admit)
+            return  # wait until a larger group of rows is free (min_admit)
         batch: list[SlotState] = []
         rows = running + min(len(free), len(self.waiting))  # the batch size these requests will run in
         while free and self.waiting:
@@ -966,9 +962,8 @@ class DecodeEngine:
             if draft is None:
                 self._watch_lookup(state)
             batch.append(state)
-        if not batch:
-            return None
-        return self._launch_prefill(batch)
+        if batch:
+            self._admitting.append(self._launch_prefill(batch))
 
     def _batch_to_lookup(self) -> None:
         """Move every row of a batch to its n-gram lookup alternative together where the governor prices lookup

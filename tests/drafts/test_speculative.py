@@ -868,7 +868,6 @@ def test_a_request_cancelled_while_its_prefill_runs_leaves_its_row_free(target, 
         seen["admitting"] = e.num_admitting
         assert e.cancel("r2")
 
-    eng.max_batch_size = 4
     got, _ = drive(eng, {2: arrive, 3: cancel})
     assert seen["admitting"] >= 1  # r2 was admitting when cancelled
     assert "r2" not in got and not eng.cancel("r2")
