@@ -18,11 +18,20 @@ from engine import triton_kernels
 Rows = Union[torch.Tensor, slice, None]
 
 
+def to_device(data, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host numbers (a list, nested lists) as a tensor on `device`, the host not stopped: on CUDA through pinned
+    memory and a queued copy. `torch.tensor(data, device=...)` copies from pageable memory, and that copy waits
+    for everything the stream has queued; the host then launches the next work into an idle GPU."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def row_index(slots: list[int], device: torch.device) -> Rows:
     """Cache rows for these slots: a slice when they are consecutive (views, no gather), else an index tensor."""
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return slice(slots[0], slots[0] + len(slots))
-    return torch.tensor(slots, device=device)
+    return to_device(slots, device)
 
 
 class KVCache:

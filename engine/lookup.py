@@ -278,7 +278,7 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     last gamma + 1), so a seeded request's streams move alike whichever drafter served it. With graphs it is
     one CUDA graph per (batch bucket, row layout, kv bucket, gamma, rule, sampling kind). The batch's rows look up
     with its first row's rule (drafters registered with other settings share a round that way)."""
-    from engine.cache import row_index
+    from engine.cache import row_index, to_device
     from engine.sampling import advance, needs_filters, param_tensors, processed_probs, stream_state, uniform_at
     from engine.verify import verify_greedy, verify_sampled
 
@@ -287,8 +287,8 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     kv_len = eng.kv_bucket(kv_len)
     rows = row_index([s.slot for s in slots], device)
     if pos0 is None:
-        pos0 = torch.tensor([s.length for s in slots], device=device)
-        pending = torch.tensor([s.pending for s in slots], device=device)
+        pos0 = to_device([s.length for s in slots], device)
+        pending = to_device([s.pending for s in slots], device)
     steps = torch.arange(gamma + 1, device=device)
     inputs = {"pending": pending, "pos0": pos0}
     filtered, n_draws = False, 2 * gamma + 1  # `engine.speculative.round_draws` of a one-block round

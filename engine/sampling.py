@@ -12,6 +12,7 @@ import math
 import torch
 
 from engine import triton_kernels
+from engine.cache import to_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +84,12 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torc
 def param_tensors(params, device: torch.device) -> dict[str, torch.Tensor]:
     """Per-row sampling parameters as (B,) device tensors: temperature, draft_temperature (the request's
     temperature where unset), top_p (float32, one host-to-device copy) and top_k (long, one more)."""
-    floats = torch.tensor([[p.temperature for p in params],
-                           [p.draft_temperature if p.draft_temperature is not None else p.temperature for p in params],
-                           [p.top_p for p in params]], dtype=torch.float32).to(device)
+    floats = to_device([[p.temperature for p in params],
+                        [p.draft_temperature if p.draft_temperature is not None else p.temperature for p in params],
+                        [p.top_p for p in params]], device, torch.float32)
     temperature, draft_temperature, top_p = floats.unbind(0)  # contiguous rows of one transfer
     return {"temperature": temperature, "draft_temperature": draft_temperature, "top_p": top_p,
-            "top_k": torch.tensor([p.top_k for p in params], dtype=torch.long).to(device)}
+            "top_k": to_device([p.top_k for p in params], device)}
 
 
 def needs_filters(params) -> bool:
@@ -133,10 +134,7 @@ class RandomStream:
 
 def stream_state(streams: list[RandomStream], device: torch.device) -> torch.Tensor:
     """(B, 2) int64 [key, next counter] of these streams, on `device` (pinned, queued copy on CUDA)."""
-    state = torch.tensor([[s.key, s.drawn] for s in streams], dtype=torch.long)
-    if torch.device(device).type == "cuda":  # pinned: the copy is queued, not waited for
-        state = state.pin_memory()
-    return state.to(device, non_blocking=True)
+    return to_device([[s.key, s.drawn] for s in streams], device)
 
 
 def advance(streams: list[RandomStream], n: int) -> None:

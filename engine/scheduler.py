@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.cache import KVCache, WindowedKVCache, row_index
+from engine.cache import KVCache, WindowedKVCache, row_index, to_device
 from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
 from engine.gamma import GammaController
@@ -680,7 +680,7 @@ class DecodeEngine:
     def _refill_history(self, s: SlotState) -> None:
         """Write a row's lookup history (prompt, then output: every token up to its pending one) from the host."""
         ids = list(s.request.prompt_ids) + s.output_ids
-        self.history[s.slot, : len(ids)] = torch.tensor(ids, dtype=self.history.dtype, device=self.device)
+        self.history[s.slot, : len(ids)] = to_device(ids, self.device, self.history.dtype)
         s.history_refills -= 1
 
     def _watch_lookup(self, s: SlotState) -> None:
@@ -1055,7 +1055,7 @@ class DecodeEngine:
 
     def _reset_row(self, slot: int) -> None:
         if isinstance(self.draft_cache, WindowedKVCache):
-            self.draft_cache.reset(torch.tensor([slot], device=self.device))
+            self.draft_cache.reset(to_device([slot], self.device))
 
     def _side(self):
         """The context an admission's device work runs in: the side stream (`side_prefill` on CUDA), behind
@@ -1081,12 +1081,12 @@ class DecodeEngine:
         device = self.device
         lens = [len(s.request.prompt_ids) for s in batch]
         t_max = max(lens)
-        tokens = torch.zeros(len(batch), t_max, dtype=torch.long, device=device)
-        for i, s in enumerate(batch):
-            tokens[i, : lens[i]] = torch.tensor(s.request.prompt_ids, device=device)
+        # The prompts (zero-padded) and each row's last position in one queued copy from the host.
+        staged = to_device([t for s, n in zip(batch, lens) for t in (*s.request.prompt_ids, *[0] * (t_max - n))]
+                           + [n - 1 for n in lens], device)
+        tokens, last = staged[: len(batch) * t_max].view(len(batch), t_max), staged[len(batch) * t_max:]
         pos = torch.arange(t_max, device=device)[None].expand(len(batch), -1)
         rows = row_index([s.slot for s in batch], device)
-        last = torch.tensor(lens, device=device) - 1
         spec = [i for i, s in enumerate(batch) if s.draft is not None and not is_lookup(s.draft)]
         n_trunk = batch[spec[0]].draft.shared_layers if spec else 0
         capture = feature_layers_of(batch[i].draft for i in spec)
@@ -1138,14 +1138,14 @@ class DecodeEngine:
     def _prefill_drafts(self, batch, trunk, hidden, pos, last, t_max, captured=(), capture=()) -> None:
         """Fill the adapters' KV over the prompts (the trunk's is already in the target cache)."""
         model = self.model
-        rows = torch.tensor([s.slot for s in batch], device=self.device)
+        rows = to_device([s.slot for s in batch], self.device)
         final = None
         by_draft: dict[int, list[int]] = {}
         for i, s in enumerate(batch):
             by_draft.setdefault(id(s.draft), []).append(i)
         for idx in by_draft.values():
             draft = batch[idx[0]].draft
-            sel = torch.tensor(idx, device=self.device)
+            sel = to_device(idx, self.device)
             feats = None
             if draft.feature_input == "deep":
                 if final is None:
@@ -1171,8 +1171,8 @@ class DecodeEngine:
         cache = self.draft_cache
         chunk = cache.max_seq_len - cache.window
         for i, s in enumerate(batch):
-            n = int(last[i]) + 1
-            row = torch.tensor([s.slot], device=self.device)
+            n = len(s.request.prompt_ids)
+            row = to_device([s.slot], self.device)
             for start in range(0, n, chunk):
                 stop = min(start + chunk, n)
                 pos = torch.arange(start, stop, device=self.device)[None]
@@ -1198,8 +1198,8 @@ class DecodeEngine:
         rows = row_index([s.slot for s in batch], device)
         steps = max(1, min(self.ar_steps_per_sync, *(s.request.params.max_new_tokens - len(s.output_ids) for s in batch),
                            *(self.max_seq_len - 1 - s.length for s in batch)))
-        pos = torch.tensor([[s.length] for s in batch], device=device)  # (b, 1)
-        tokens = torch.tensor([[s.pending] for s in batch], device=device)  # (b, 1)
+        staged = to_device([[s.length for s in batch], [s.pending for s in batch]], device)
+        pos, tokens = staged[0, :, None], staged[1, :, None]  # (b, 1) each, contiguous
         graph_steps = min(self.ar_steps_per_sync, self.margin)  # a fixed count: one graph per bucket, not per count
         if self.graphs.enabled:
             out = self._ar_graph(batch, tokens, pos, rows, graph_steps, steps, ahead_by=0)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.cache import WindowedKVCache, row_index
+from engine.cache import WindowedKVCache, row_index, to_device
 from engine.lookup import is_lookup, propose, record_round
 from engine.model import StepContext
 from engine.requests import repeats_its_seed
@@ -159,7 +159,7 @@ class _Groups:
             order.setdefault(id(d), []).append(i)
             by_id[id(d)] = d
         for key, idx in order.items():
-            self.items.append((by_id[key], torch.tensor(idx, device=device), row_index([slots[i] for i in idx], device)))
+            self.items.append((by_id[key], to_device(idx, device), row_index([slots[i] for i in idx], device)))
 
 
 def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecConfig) -> RoundResult:
@@ -173,11 +173,11 @@ def spec_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], cfg: SpecC
     model = eng.model
     device = eng.device
     b = len(slots)
-    rows_t = torch.tensor([s.slot for s in slots], device=device)  # (b,) cache row of each batch row
+    rows_t = to_device([s.slot for s in slots], device)  # (b,) cache row of each batch row
     rows = row_index([s.slot for s in slots], device)  # the same rows as a slice when consecutive
     n_trunk = drafts[0].shared_layers
-    pos0 = torch.tensor([s.length for s in slots], device=device)  # (b,) position of each pending token
-    pending = torch.tensor([s.pending for s in slots], device=device)
+    pos0 = to_device([s.length for s in slots], device)  # (b,) position of each pending token
+    pending = to_device([s.pending for s in slots], device)
     streams = [s.random for s in slots]
     temperature = draft_temperature = top_k = top_p = None  # read by the sampled branches only
     filtered = False
@@ -473,11 +473,11 @@ def launch_round(eng: "DecodeEngine", slots: list, drafts: list[Draft], gamma: i
 
     rows = row_index([s.slot for s in slots], device)
     if pos0 is None:
-        pos0 = torch.tensor([s.length for s in slots], device=device)
-        pending = torch.tensor([s.pending for s in slots], device=device)
+        pos0 = to_device([s.length for s in slots], device)
+        pending = to_device([s.pending for s in slots], device)
     inputs = {"pending": pending, "pos0": pos0}
     if mixed:  # each row's draft (padding rows get draft 0 and the scratch row: nothing of theirs is read)
-        inputs["which"] = torch.tensor([ids[id(lookup) if is_lookup(d) else id(d)] for d in drafts], device=device)
+        inputs["which"] = to_device([ids[id(lookup) if is_lookup(d) else id(d)] for d in drafts], device)
     filtered = False
     n_draws = 2 * gamma + 1  # `round_draws` of a one-block round at this gamma (cfg's own gamma may differ)
     if not greedy:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import row_index
+from engine.cache import row_index, to_device
 from engine.sampling import advance, needs_filters, param_tensors, processed_probs, sample_with, stream_state, uniform_at
 from engine.speculative import draft_features, full_vocab_scores
 from engine.triton_kernels import argmax
@@ -147,8 +147,8 @@ def launch_tree_round(eng: "DecodeEngine", slots: list, draft: "Draft", gamma: i
     num_layers = model.args.num_layers
     rows = row_index([s.slot for s in slots], device)
     if pos0 is None:
-        pos0 = torch.tensor([s.length for s in slots], device=device)
-        pending = torch.tensor([s.pending for s in slots], device=device)
+        pos0 = to_device([s.length for s in slots], device)
+        pending = to_device([s.pending for s in slots], device)
     inputs = {"pending": pending, "pos0": pos0}
     filtered = False
     n_draws = width * gamma + width + gamma
