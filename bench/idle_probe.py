@@ -9,8 +9,9 @@ engine's methods marked (admission, prefill, plain call, round launch, resolving
 profile's kernels (those replayed by CUDA graphs included) the GPU's busy time is their union; every microsecond of
 the pass the GPU runs no kernel is charged to the innermost marked method the host is in at that moment. A line per
 engine: the pass's wall time, GPU busy and idle time, idle time by method, and the prefills' GPU time against
-their wall time. The profiler slows the host a little, so its idle times are an upper bound; the timed pass's
-wall time is the one without it.
+their wall time. The profiler slows the host (and CUPTI the graphs' launches), so its idle times are an upper
+bound; the timed pass's wall time is the one without it. Between them a pass without the profiler splits the host's
+time in the steps: waiting for the GPU (the event waits of `engine.scheduler._read`) and the rest.
 
 Then one admission alone, the GPU idle before it: `_prefill` for one 512-token prompt (host wall, synchronized),
 against its CUDA graph's replay alone.
@@ -43,6 +44,44 @@ def mark(eng) -> None:
                 return _real(*args, **kwargs)
 
         setattr(eng, name, wrapped)
+
+
+def host_split(eng, run) -> dict:
+    """One pass (`run()`) without the profiler, the host's time split: in the engine's steps, of that waiting for the
+    GPU (`engine.scheduler._read`'s event waits), and the steps that found their GPU work already done (a wait under
+    20 us: the host, not the GPU, was the slower one there)."""
+    from engine import scheduler
+
+    real_read, real_step = scheduler._read, eng.step
+    waits, steps = [], []
+
+    def read(host, ready):
+        t = time.perf_counter()
+        if ready is not None:
+            ready.synchronize()
+        waits.append(time.perf_counter() - t)
+        return real_read(host, None)
+
+    def step():
+        t = time.perf_counter()
+        try:
+            return real_step()
+        finally:
+            steps.append(time.perf_counter() - t)
+
+    scheduler._read, eng.step = read, step
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    finally:
+        scheduler._read = real_read
+        del eng.step
+    return {"split_pass_ms": round(wall * 1000, 1), "steps": len(steps), "step_ms": round(sum(steps) * 1000, 1),
+            "wait_ms": round(sum(waits) * 1000, 1), "host_ms_per_step": round((sum(steps) - sum(waits)) * 1000 / len(steps), 3),
+            "reads": len(waits), "reads_not_waiting": sum(w < 20e-6 for w in waits)}
 
 
 def idle_by_label(events, t0: float, t1: float) -> dict:
@@ -115,6 +154,7 @@ def main() -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t) * 1000
         tokens = sum(len(o.token_ids) for o in outs)
+        split = host_split(eng, lambda: generate(eng, prompts, params, drafter))
         mark(eng)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
@@ -125,6 +165,7 @@ def main() -> None:
         span = [e for e in events if e.name == "pass"][0].time_range
         line = {"engine": kind, "pass_ms": round(wall, 1), "tokens_per_s": round(tokens / wall * 1000, 1),
                 "profiled_pass_ms": round(span.elapsed_us() / 1000, 1)}
+        line.update(split)
         line.update(idle_by_label(events, span.start, span.end))
         print(json.dumps(line), flush=True)
 
