@@ -24,6 +24,8 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype = torch.long)
     for everything the stream has queued; the host then launches the next work into an idle GPU."""
     if torch.device(device).type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():  # a captured copy would replay from this one host buffer
+        raise RuntimeError("to_device inside a CUDA graph capture: give the graph its numbers as an input tensor")
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 

@@ -114,3 +114,12 @@ def test_reset_forgets_the_row():
     cache.reset(torch.tensor([0]))
     assert (cache.slot_pos[0] == -1).all() and (cache.slot_pos[1] >= 0).any()
     assert cache.lengths[0] == 0
+
+
+def test_to_device_gives_the_host_numbers_in_the_dtype_asked():
+    from engine.cache import to_device
+
+    got = to_device([[3, 1], [4, 1]], "cpu")
+    assert got.dtype == torch.long and got.tolist() == [[3, 1], [4, 1]]
+    half = to_device([0.5, 2.0], torch.device("cpu"), torch.float32)
+    assert half.dtype == torch.float32 and half.tolist() == [0.5, 2.0]
