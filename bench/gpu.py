@@ -850,6 +850,12 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
             rows.append(service(after=", lone lookup" + after, alternative=LookupDraft(streak_gammas={1: streak})))
     if streaks and best:
         rows.append(service(after=", no streak gamma", alternative=LookupDraft(streak_gammas={})))
+    for max_n in getattr(bench.args, "lookup_max_n", ()):  # the longest n-gram looked up, side by side
+        after = f", n up to {max_n}"
+        rows.append(alone(LookupDraft(max_n=max_n, gammas={}, streak_gammas={}), top, ", overlapped" + after,
+                          overlap=True))
+        if best:
+            rows.append(service(after=after, alternative=LookupDraft(max_n=max_n)))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         before = ", rule before the repeat"
         old = LookupDraft(min_n=2, gammas={}, repeat=False)
@@ -1081,6 +1087,10 @@ def main() -> None:
                         help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
                              "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
                              "repeat=False)), side by side")
+    parser.add_argument("--lookup-max-n", default=(), type=int_list,
+                        help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
+                             "setting with the longest n-gram looked up at each of these (LookupDraft(max_n=N); the "
+                             "default is 3), side by side, e.g. 6")
     parser.add_argument("--return-window", default=(), type=int_list,
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "

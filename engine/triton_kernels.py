@@ -339,7 +339,7 @@ def _kernels():
         for k in tl.static_range(MAX_N - MIN_N + 1):
             # n = MAX_N - k, written out: a name assigned here would be a tensor, and static_range needs a constant
             best = length * 0 - 1
-            for c in range(0, length, BLOCK):
+            for c in range(0, tl.where(found, 0, length), BLOCK):  # no scan once a longer n was found
                 p = c + tl.arange(0, BLOCK).to(tl.int64)
                 # strictly before the suffix, inside the history
                 m = (p <= length - (MAX_N - k) - 1) & (p <= S - (MAX_N - k))

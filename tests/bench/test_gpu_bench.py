@@ -386,6 +386,43 @@ def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target
     assert sum(o.stats.rounds for o in alone.outs) > sum(o.stats.rounds for o in new.outs)  # the repeat: fewer rounds
 
 
+def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
+    """--lookup-max-n N: lookup alone at the largest gamma (overlapped) and the service's setting again with the
+    longest n-gram looked up at N, with plain decoding's tokens; a longer n finds the more recent, longer match."""
+    import argparse
+
+    from bench.gpu import Bench, lookup_rows
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4), lookup_max_n=(6,))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    # "1 2 3" recurs with different continuations; only its 5-token context "8 9 1 2 3" picks the one that repeats
+    prompts = [[8, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 6, 8, 9, 1, 2, 3]]
+    workload = (prompts, ["code"], 10, True, 1)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    longer = [name for name in rows if "n up to 6" in name]
+    assert longer == ["FlashSpec lookup, gamma 4, overlapped, n up to 6",
+                      "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                      "n up to 6"]
+    alone, default = rows[longer[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
+    assert alone.eng.drafts["code"].rule == (6, 1, True) and default.eng.drafts["code"].rule == (3, 1, True)
+    service = rows[longer[1]]()
+    assert service.eng.drafts["lookup"].rule == (6, 1, True)
+    for row in (alone, default, service):
+        row.timed_pass()
+    assert [o.token_ids for o in alone.outs] == [o.token_ids for o in default.outs] == [o.token_ids for o in service.outs]
+    from engine.lookup import propose
+
+    history, length = torch.tensor(prompts), torch.tensor([len(prompts[0])])
+    assert propose(history, length, 2, max_n=3)[0].tolist() == [[6, 6]]  # after "7 1 2 3", the most recent
+    assert propose(history, length, 2, max_n=6)[0].tolist() == [[4, 5]]  # after "8 9 1 2 3", the longest
+    bench.args.lookup_max_n = ()
+    assert not [name for name in dict(lookup_rows(bench, workload, None, "", best)) if "n up to" in name]
+
+
 def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_target):
     """--lookup-lone G: the service's setting again with a lone greedy row's lookup gamma G
     (LookupDraft(gammas={1: G})), side by side; its lone lookup rounds run at G, with plain decoding's tokens."""

@@ -443,7 +443,7 @@ for b, s, vocab in ((3, 40, 4), (5, 1500, 3), (2, 7, 2)):  # few distinct tokens
     history = torch.randint(0, vocab, (b, s))
     for lengths in (torch.randint(0, s + 1, (b,)), torch.full((b,), s), torch.tensor([1, 2] + [3] * (b - 2))):
         for gamma, max_n, min_n, repeat in ((5, 3, 2, True), (1, 1, 1, True), (8, 4, 1, True), (3, 2, 2, True),
-                                            (8, 3, 1, False), (5, 3, 2, False)):
+                                            (8, 3, 1, False), (5, 3, 2, False), (6, 6, 1, True)):
             for rows in (history, history[1:], history[:, : s - 1]):  # whole, a slice of rows, a strided view
                 n = lengths[: rows.shape[0]].clamp(max=rows.shape[1])
                 fast = triton_kernels.lookup_propose(rows, n, gamma, max_n, min_n, repeat)
