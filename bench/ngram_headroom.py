@@ -4,6 +4,7 @@ target's greedy replies, alone and beside the domain's draft.
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 192 --gamma 5
     python -m bench.ngram_headroom --domain dialog --shape request     # the plain held-out requests
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --rules 5,8   # the rule's variants
+    python -m bench.ngram_headroom --domain code --rules 5,8 --rules-max-n 3,6   # the longest n looked up
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --streaks 8:15  # a streak's gamma
 
 Prompt lookup (n-gram) drafting proposes, after the request's last n tokens, the tokens that followed the
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rules", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),
                         help="only the lookup rule's variants (n down to 2 or 1, with or without repeating a run's "
                              "period) at these gammas, e.g. 5,8: tokens a round where every round is a lookup round")
+    parser.add_argument("--rules-max-n", default=(), type=lambda v: tuple(int(n) for n in v.split(",") if n),
+                        help="with --rules: also the engine's rule (n down to 1, repeat) with the longest n at each of "
+                             "these, on the same replies, e.g. 3,4,6,8")
     parser.add_argument("--streaks", default=(), type=streak_pairs,
                         help="only a lone lookup row's rounds at GAMMA and at STREAK after a round that accepted "
                              "everything (LookupDraft.streak_gammas), e.g. 8:15, beside each gamma throughout")
@@ -209,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-token-ms", type=float, default=0.174,
                         help="a drafted token of the shipped drafts (H200 run 31: a gamma-5 round 1.661 ms less the verify pass, / 5)")
     args = parser.parse_args(argv)
+    if any(n < 1 for n in args.rules_max_n):
+        raise SystemExit(f"--rules-max-n {','.join(map(str, args.rules_max_n))}: give n >= 1, e.g. 3,6")
     if args.gamma < 1 or not 1 <= args.min_n <= args.max_n:
         raise SystemExit(f"--gamma {args.gamma} --min-n {args.min_n} --max-n {args.max_n}: give gamma >= 1 and "
                          "1 <= min-n <= max-n, e.g. --gamma 5 --min-n 1 --max-n 3")
@@ -229,11 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
             "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
     for gamma in args.rules:
-        for min_n, repeat in RULES:
-            rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, args.max_n, min_n, repeat))
-            name = f"n {args.max_n}..{min_n}" + (", repeat" if repeat else "")
-            print(json.dumps({**head, "gamma": gamma, "n": [min_n, args.max_n], "rule": name,
-                              "tokens_per_round": round(rate, 3)}), flush=True)
+        for max_n in args.rules_max_n or (args.max_n,):
+            for min_n, repeat in RULES if max_n == args.max_n else RULES[-1:]:
+                rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, max_n, min_n, repeat))
+                name = f"n {max_n}..{min_n}" + (", repeat" if repeat else "")
+                print(json.dumps({**head, "gamma": gamma, "n": [min_n, max_n], "rule": name,
+                                  "tokens_per_round": round(rate, 3)}), flush=True)
     if args.rules:
         return
     for gamma, streak in args.streaks:

@@ -80,6 +80,8 @@ def test_bad_options_are_refused_with_the_fix():
         main(["--gamma", "0"])
     with pytest.raises(SystemExit, match="min-n <= max-n"):
         main(["--min-n", "3", "--max-n", "2"])
+    with pytest.raises(SystemExit, match="--rules-max-n 3,0: give n >= 1"):
+        main(["--rules", "5", "--rules-max-n", "3,0"])
 
 
 def test_lookup_rounds_count_a_round_that_proposes_nothing_as_one_token():
