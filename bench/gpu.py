@@ -215,6 +215,19 @@ class GcPauses:
         gc.callbacks.remove(self)
 
 
+def fused_long_workload(prompts: int = 32, path: str = "bench/data/gpu_prompts.json"):
+    """(the default model on the GPU, bf16, Triton attention, fused and compiled; the benchmark's first `prompts`
+    long prompts, bs 8's order): the probes' shared setting."""
+    from engine.loading import load_model
+
+    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    loaded.model.set_attention_backend("triton")
+    loaded.model.fuse_for_inference(compile=True)
+    with open(path) as f:
+        chosen, _ = pick_prompts(json.load(f), "long", 8, 24, prompts)
+    return loaded, chosen
+
+
 def pick_prompts(data: dict, kind: str, bs: int, short_prompts: int = 24, long_prompts: int = 6
                  ) -> tuple[list[list[int]], list[str]]:
     """Prompts cycling over the domains, run in batches of bs: max(bs, long_prompts) long ones, max(bs,

@@ -122,20 +122,15 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.idle_probe needs a CUDA GPU; run it on the GPU machine")
-    from bench.gpu import pick_prompts
+    from bench.gpu import fused_long_workload
     from engine.generate import generate
-    from engine.loading import load_model
     from engine.lookup import LookupDraft
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
     from engine.speculative import SpecConfig
 
-    loaded = load_model("default", device="cuda", dtype="bfloat16")
+    loaded, prompts = fused_long_workload(args.prompts)
     m = loaded.model
-    m.set_attention_backend("triton")
-    m.fuse_for_inference(compile=True)
-    data = json.load(open("bench/data/gpu_prompts.json"))
-    prompts, _ = pick_prompts(data, "long", 8, 24, args.prompts)
     params = SamplingParams(max_new_tokens=256, eos_token_ids=())
     max_len = max(len(p) for p in prompts) + 272
 

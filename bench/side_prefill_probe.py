@@ -14,9 +14,8 @@ import time
 
 import torch
 
-from bench.gpu import pick_prompts
+from bench.gpu import fused_long_workload
 from engine.generate import generate
-from engine.loading import load_model
 from engine.lookup import LookupDraft
 from engine.sampling import SamplingParams
 from engine.scheduler import DecodeEngine
@@ -24,12 +23,8 @@ from engine.speculative import SpecConfig
 
 if not torch.cuda.is_available():
     raise SystemExit("bench.side_prefill_probe needs a CUDA GPU; run it on the GPU machine")
-loaded = load_model("default", device="cuda", dtype="bfloat16")
+loaded, prompts = fused_long_workload(32)
 m = loaded.model
-m.set_attention_backend("triton")
-m.fuse_for_inference(compile=True)
-data = json.load(open("bench/data/gpu_prompts.json"))
-prompts, _ = pick_prompts(data, "long", 8, 24, 32)
 print("prompt lengths", sorted(len(p) for p in prompts)[:3], sorted(len(p) for p in prompts)[-3:])
 params = SamplingParams(max_new_tokens=256, eos_token_ids=())
 
