@@ -11,14 +11,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_the_one_launch_proposer_gives_the_torch_rule_s_proposals_on_the_gpu():
-    """triton_kernels.lookup_propose against `propose`'s torch rule, both rules (repeat or not), n 3..1 and 3..2."""
+    """triton_kernels.lookup_propose against `propose`'s torch rule, both rules (repeat or not), n 3..1, 3..2, 6..1."""
     from engine import triton_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     for vocab in (3, 6):
         history = torch.randint(0, vocab, (8, 1500), device="cuda", generator=gen)
         lengths = torch.randint(0, 1501, (8,), device="cuda", generator=gen)
-        for gamma, max_n, min_n in ((8, 3, 1), (5, 3, 2), (15, 3, 1)):
+        for gamma, max_n, min_n in ((8, 3, 1), (5, 3, 2), (15, 3, 1), (8, 6, 1)):
             for repeat in (True, False):
                 fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)
                 triton_kernels.ENABLED = False
