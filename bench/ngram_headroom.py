@@ -234,13 +234,14 @@ def main(argv: list[str] | None = None) -> None:
 
     head = {"domain": args.domain, "shape": args.shape, "split": args.split, "prompts": len(prompts),
             "reply_tokens": args.tokens, "gamma": args.gamma, "n": [args.min_n, args.max_n]}
+    # Every variant at --max-n, then the engine's rule (the last variant) at each other --rules-max-n.
+    rules = [(args.max_n, *rule) for rule in RULES] + [(n, *RULES[-1]) for n in args.rules_max_n if n != args.max_n]
     for gamma in args.rules:
-        for max_n in args.rules_max_n or (args.max_n,):
-            for min_n, repeat in RULES if max_n == args.max_n else RULES[-1:]:
-                rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, max_n, min_n, repeat))
-                name = f"n {max_n}..{min_n}" + (", repeat" if repeat else "")
-                print(json.dumps({**head, "gamma": gamma, "n": [min_n, max_n], "rule": name,
-                                  "tokens_per_round": round(rate, 3)}), flush=True)
+        for max_n, min_n, repeat in rules:
+            rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, max_n, min_n, repeat))
+            name = f"n {max_n}..{min_n}" + (", repeat" if repeat else "")
+            print(json.dumps({**head, "gamma": gamma, "n": [min_n, max_n], "rule": name,
+                              "tokens_per_round": round(rate, 3)}), flush=True)
     if args.rules:
         return
     for gamma, streak in args.streaks:

@@ -388,7 +388,8 @@ def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target
 
 def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     """--lookup-max-n N: lookup alone at the largest gamma (overlapped) and the service's setting again with the
-    longest n-gram looked up at N, with plain decoding's tokens; a longer n finds the more recent, longer match."""
+    longest n-gram looked up at N, with plain decoding's tokens; a longer n picks the place whose longer context
+    matches over the most recent place of the short one."""
     import argparse
 
     from bench.gpu import Bench, lookup_rows
