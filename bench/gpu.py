@@ -36,6 +36,9 @@ accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), a
 without a streak gamma (and at each streak gamma other than its default);
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
+`--vocab-config t=1` adds lookup at the largest gamma overlapped and the service's setting again with the vocabulary
+projection's launch setting overridden by that (FLASHSPEC_VOCAB_CONFIG's syntax) while the row builds, warms up and
+runs its passes (its CUDA graphs are captured with it), side by side.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
 with --gammas-overlapped, and in the service's setting).
 --gammas 3 adds best-draft rows at fixed gammas (one verify a round; `--gammas-overlapped` each again
@@ -68,6 +71,7 @@ path with --fused) and prints a table of the ratios and each backend's decode st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -321,17 +325,20 @@ class Bench:
     def engine_row(self, prompts, domains, new, greedy, bs, drafts: dict | None, block=2, gamma=5, governor=False,
                    reference=None, mixed_round_graph=True, adaptive=False, overlap=False, tree=1,
                    lookup_alternative=False, lookup_replay=None, governor_kw: dict | None = None,
-                   engine_attrs: dict | None = None, engine_kw: dict | None = None) -> "EngineRow":
+                   engine_attrs: dict | None = None, engine_kw: dict | None = None,
+                   vocab_config: dict | None = None) -> "EngineRow":
         """An engine row built and warmed up, ready for its timed passes (`EngineRow.timed_pass`); `tree`: the
         draft trees' width (greedy rounds of batch 1, `engine.tree`); `lookup_alternative`: each draft has the
         n-gram lookup drafter as an alternative the governor may pick (`DecodeEngine.set_alternatives`; a
         `LookupDraft` here: that one), priced from replays of it over greedy requests as `lookup_replay` says
         (`DecodeEngine(lookup_replay=...)`; None: the engine's default); `governor_kw`: the governor's other
         settings (`SpeculationGovernor`'s keywords); `engine_attrs`: engine attributes set after it is built
-        (`DecodeEngine.plain_timed_from_read`); `engine_kw`: more `DecodeEngine` keywords (`side_prefill`)."""
+        (`DecodeEngine.plain_timed_from_read`); `engine_kw`: more `DecodeEngine` keywords (`side_prefill`);
+        `vocab_config`: the vocabulary projection's launch setting over `triton_kernels.VOCAB_CONFIG` for this row's
+        calls (`EngineRow.settings`)."""
         row = EngineRow(self, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                         mixed_round_graph, adaptive, overlap, tree, lookup_alternative, lookup_replay, governor_kw,
-                        engine_attrs, engine_kw)
+                        engine_attrs, engine_kw, vocab_config)
         row.warm()
         return row
 
@@ -463,7 +470,7 @@ class EngineRow:
     def __init__(self, bench: Bench, prompts, domains, new, greedy, bs, drafts, block, gamma, governor, reference,
                  mixed_round_graph, adaptive, overlap=False, tree=1, lookup_alternative=False, lookup_replay=None,
                  governor_kw: dict | None = None, engine_attrs: dict | None = None,
-                 engine_kw: dict | None = None) -> None:
+                 engine_kw: dict | None = None, vocab_config: dict | None = None) -> None:
         from engine.gamma import GammaController
         from engine.governor import SpeculationGovernor
         from engine.sampling import SamplingParams
@@ -471,6 +478,7 @@ class EngineRow:
         from engine.speculative import SpecConfig
 
         self.bench, self.prompts, self.greedy, self.reference, self.new = bench, prompts, greedy, reference, new
+        self.vocab_config = dict(vocab_config or {})
         self.governor_on, self.adaptive = governor, adaptive
         self.base_bytes = bench.base_bytes()
         self.before_bytes = _allocated()
@@ -513,7 +521,25 @@ class EngineRow:
 
         return generate(self.eng, self.prompts, self.params, self.names)
 
+    @contextlib.contextmanager
+    def settings(self):
+        """This row's kernel launch settings in force for the block (`vocab_config` over
+        `triton_kernels.VOCAB_CONFIG`, restored after it): its eager calls and the CUDA graphs it captures use them."""
+        from engine import triton_kernels
+
+        saved = dict(triton_kernels.VOCAB_CONFIG)
+        triton_kernels.VOCAB_CONFIG.update(self.vocab_config)
+        try:
+            yield
+        finally:
+            triton_kernels.VOCAB_CONFIG.clear()
+            triton_kernels.VOCAB_CONFIG.update(saved)
+
     def warm(self) -> None:
+        with self.settings():
+            self._warm()
+
+    def _warm(self) -> None:
         if self.governor_on:  # seed the governor's plain-decoding estimate, as a warmed-up server would have it
             self.eng.calibrate(prompt=self.prompts[0])
         self.once()  # warm-up: captures the CUDA graphs of every shape this workload meets (and trains the controllers)
@@ -540,7 +566,7 @@ class EngineRow:
             before = self.eng.graphs.captures
             decided = dict(self.gov.decisions) if self.gov is not None else None
             _sync()
-            with self.pauses, HostSplit(self.eng) as split:
+            with self.settings(), self.pauses, HostSplit(self.eng) as split:
                 t0 = time.perf_counter()
                 self.outs = self.once()
                 _sync()
@@ -591,6 +617,23 @@ class EngineRow:
 def int_list(text: str) -> tuple[int, ...]:
     """'5,8' -> (5, 8): a flag's comma-separated integers."""
     return tuple(int(v) for v in text.split(",") if v)
+
+
+def vocab_setting(text: str) -> dict[str, int]:
+    """'t=1' -> {'t': 1}: `--vocab-config`'s overrides of `triton_kernels.VOCAB_CONFIG`, checked as
+    FLASHSPEC_VOCAB_CONFIG is (an unknown key or a bad value is an argparse error)."""
+    from engine.triton_kernels import VOCAB_CONFIG, launch_config
+
+    try:
+        full = launch_config("--vocab-config", text, VOCAB_CONFIG, {"v": 16, "h": 16, "w": 1})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if full["split"] not in (0, 3) or full["t"] not in (0, 1):
+        raise argparse.ArgumentTypeError(f"--vocab-config: {text!r}: split must be 0 or 3, t 0 or 1")
+    keys = {item.partition("=")[0] for item in text.replace(" ", "").split(",") if item}
+    if not keys:
+        raise argparse.ArgumentTypeError("--vocab-config: name a setting, e.g. t=1")
+    return {k: full[k] for k in full if k in keys}
 
 
 def governor_settings(text: str) -> tuple[dict, ...]:
@@ -869,6 +912,12 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                           overlap=True))
         if best:
             rows.append(service(after=after, alternative=LookupDraft(max_n=max_n)))
+    vocab = getattr(bench.args, "vocab_config", None)
+    if vocab:  # the vocabulary projection's launch setting, side by side
+        after = ", vocabulary " + ",".join(f"{k}={v}" for k, v in vocab.items())
+        rows.append(alone(lookup, top, ", overlapped" + after, overlap=True, vocab_config=vocab))
+        if best:
+            rows.append(service(after=after, vocab_config=vocab))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         before = ", rule before the repeat"
         old = LookupDraft(min_n=2, gammas={}, repeat=False)
@@ -1104,6 +1153,10 @@ def main() -> None:
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the longest n-gram looked up at each of these (LookupDraft(max_n=N); the "
                              "default is 3), side by side, e.g. 6")
+    parser.add_argument("--vocab-config", default=None, type=vocab_setting,
+                        help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
+                             "setting with the vocabulary projection's launch setting overridden by this "
+                             "(FLASHSPEC_VOCAB_CONFIG's syntax), side by side, e.g. t=1")
     parser.add_argument("--return-window", default=(), type=int_list,
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "

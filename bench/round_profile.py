@@ -269,10 +269,13 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
         x = 3 * torch.randn(n, 576, device="cuda")
         ref = F.linear(x, w32)
         row = {"rows": n, "fp32_linear_us": round(per_call_us(lambda: F.linear(x, w32)), 2)}
-        # fp32 products once (4-6x slower than cuBLAS in run 28), the bf16 split around run 28's best (v=128, w=4)
-        for split, v, warps in [(0, 64, 4), *itertools.product((3,), (64, 128, 256), (2, 4, 8))]:
-            cfg = {"split": split, "v": v, "w": warps}
-            row[f"split={split},v={v},w={warps}"] = setting_us(lambda: triton_kernels.vocab_projection(x, w, cfg), ref)
+        # fp32 products once (4-6x slower than cuBLAS in run 28), the bf16 split around run 28's best (v=128, w=4),
+        # each with a block's tiles launched one after another (t=0) and side by side (t=1; the same at 16 rows or less)
+        settings = [(0, 64, 4, 0), *itertools.product((3,), (64, 128, 256), (2, 4, 8), (0, 1) if n > 16 else (0,))]
+        for split, v, warps, t in settings:
+            cfg = {"split": split, "v": v, "w": warps, "t": t}
+            row[f"split={split},v={v},w={warps},t={t}"] = setting_us(
+                lambda: triton_kernels.vocab_projection(x, w, cfg), ref)
         # the model's final step: its fp32 RMSNorm in torch ops then the kernel, against both in one launch
         hidden, norm_w = (3 * torch.randn(n, 576, device="cuda")).bfloat16(), torch.ones(576, device="cuda").bfloat16()
 
@@ -283,8 +286,9 @@ def vocab_calls(rows: tuple[int, ...] = (1, 6, 8, 48)) -> None:
 
         with overridden(triton_kernels, VOCAB_NORM=True):
             row["norm_then_projection_us"] = round(per_call_us(torch_norm_then_kernel), 2)
-            row["norm_in_projection_us"] = round(per_call_us(
-                lambda: triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)), 2)
+            for t in (0, 1) if n > 16 else (triton_kernels.VOCAB_CONFIG["t"],):
+                row[f"norm_in_projection_us,t={t}"] = round(per_call_us(
+                    lambda: triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w, {"t": t})), 2)
         print(json.dumps(row), flush=True)
 
 

@@ -255,7 +255,7 @@ def _kernels():
     @triton.jit
     def vocab_projection_kernel(X, NW, W, OUT, NORMED, N, V, sxr, swr, sor, snr, eps, H: tl.constexpr,
                                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
-                                PDL: tl.constexpr = False):
+                                TILE_MAJOR: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (vocabulary block, tile of 16 rows): OUT = X @ W.T over its block, X fp32, W 16-bit and read as
         it is, sums in fp32. SPLIT = 3 cuts each x into three 16-bit parts (hi + mid + lo: 24 mantissa bits
         between them, an fp32's) and adds three tensor-core products into one fp32 accumulator, smallest
@@ -263,12 +263,19 @@ def _kernels():
         alone: a row gets the same bits whichever other rows share its call. NORM: X holds the model's final
         states (16-bit) and the program takes the final RMSNorm of its rows first (fp32 statistics, the
         normalized row NW * (x * rstd) in fp32, never rounded before the projection); program 0 of the
-        vocabulary also writes it rounded to X's dtype into NORMED (the model's final hidden state)."""
+        vocabulary also writes it rounded to X's dtype into NORMED (the model's final hidden state). TILE_MAJOR: the
+        grid is (tiles, vocabulary blocks) instead of (vocabulary blocks, tiles), so a block's tiles are neighbouring
+        programs, which run at about the same time and read its weight rows once from memory between them; each
+        program computes what it computes in the other order, bit for bit."""
         if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
             gdc_wait()
             gdc_launch_dependents()
-        pv = tl.program_id(0)
-        pm = tl.program_id(1)
+        if TILE_MAJOR:
+            pm = tl.program_id(0)
+            pv = tl.program_id(1)
+        else:
+            pv = tl.program_id(0)
+            pm = tl.program_id(1)
         v = pv * BLOCK_V + tl.arange(0, BLOCK_V)
         m = pm * 16 + tl.arange(0, 16)
         if NORM:
@@ -629,12 +636,16 @@ def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_
 
 # Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 3 (three bf16
 # tensor-core products) or 0 (fp32 products on the CUDA cores: 4-6x slower than cuBLAS on the H200, kept as the
-# path Triton's CPU interpreter can run, whose bf16 dot is wrong). The default is the H200 sweep's best
+# path Triton's CPU interpreter can run, whose bf16 dot is wrong), t = 1 to launch a vocabulary block's 16-row tiles
+# as neighbouring programs (a call of more than 16 rows reads the weight about once instead of once a tile), 0 to
+# launch every block of one tile before the next tile's. The default is the H200 sweep's best
 # (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
 VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""),
-                             {"v": 128, "h": 64, "w": 4, "split": 3}, {"v": 16, "h": 16, "w": 1})
+                             {"v": 128, "h": 64, "w": 4, "split": 3, "t": 0}, {"v": 16, "h": 16, "w": 1})
 if VOCAB_CONFIG["split"] not in (0, 3):
     raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: split={VOCAB_CONFIG['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
+if VOCAB_CONFIG["t"] not in (0, 1):
+    raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: t={VOCAB_CONFIG['t']} must be 1 (a block's tiles side by side) or 0")
 
 
 def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:
@@ -677,11 +688,12 @@ def _project(x: torch.Tensor, weight: torch.Tensor, cfg: dict, norm_weight: torc
     out = torch.empty(n, vocab, device=x.device, dtype=torch.float32)
     normed = None if norm_weight is None else torch.empty(n, h, device=x.device, dtype=x.dtype)
     block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
-    _kernels().vocab_projection[(-(-vocab // cfg["v"]), -(-n // 16))](
+    grid = (-(-vocab // cfg["v"]), -(-n // 16))
+    _kernels().vocab_projection[grid[::-1] if cfg["t"] else grid](
         rows, rows if norm_weight is None else norm_weight, weight, out, rows if normed is None else normed, n, vocab,
         rows.stride(0), weight.stride(0), out.stride(0), 0 if normed is None else normed.stride(0), eps,
         H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], NORM=norm_weight is not None,
-        num_warps=cfg["w"], **pdl(x))
+        TILE_MAJOR=bool(cfg["t"]), num_warps=cfg["w"], **pdl(x))
     return out.view(*x.shape[:-1], vocab), None if normed is None else normed.view(x.shape)
 
 

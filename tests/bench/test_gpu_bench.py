@@ -424,6 +424,50 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     assert not [name for name in dict(lookup_rows(bench, workload, None, "", best)) if "n up to" in name]
 
 
+def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_target):
+    """--vocab-config t=1: lookup alone at the largest gamma (overlapped) and the service's setting again, every model
+    call of theirs (warm-up and timed passes) under the vocabulary launch setting, the other rows' under the default;
+    plain decoding's tokens; a bad setting is an argparse error naming it."""
+    import argparse
+
+    import pytest
+
+    from bench.gpu import Bench, lookup_rows, vocab_setting
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+    from engine import triton_kernels
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4),
+                                    vocab_config=vocab_setting("t=1"))
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 12, True, 2)
+    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    named = [name for name in rows if "vocabulary" in name]
+    assert named == ["FlashSpec lookup, gamma 4, overlapped, vocabulary t=1",
+                     "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                     "vocabulary t=1"]
+    seen: list[int] = []
+    hook = tiny_target.model.lm_head.register_forward_hook(lambda *_: seen.append(triton_kernels.VOCAB_CONFIG["t"]))
+    try:
+        default = rows["FlashSpec lookup, gamma 4, overlapped"]()
+        default.timed_pass()
+        assert seen and set(seen) == {0}
+        seen.clear()
+        tiled = [rows[name]() for name in named]
+        for row in tiled:
+            row.timed_pass()
+        assert seen and set(seen) == {1}
+    finally:
+        hook.remove()
+    assert triton_kernels.VOCAB_CONFIG["t"] == 0  # restored after each row's block
+    assert [o.token_ids for o in default.outs] == [o.token_ids for o in tiled[0].outs] == [o.token_ids for o in tiled[1].outs]
+    for bad in ("t=2", "q=1", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="--vocab-config"):
+            vocab_setting(bad)
+
+
 def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_target):
     """--lookup-lone G: the service's setting again with a lone greedy row's lookup gamma G
     (LookupDraft(gammas={1: G})), side by side; its lone lookup rounds run at G, with plain decoding's tokens."""

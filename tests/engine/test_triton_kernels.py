@@ -235,6 +235,8 @@ assert out is not None and out.dtype == torch.float32 and out.shape == (20, 1000
 torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 for n in (1, 6, 17):  # a row gets the same bits whichever rows share its call (and its 16-row tile)
     assert torch.equal(tk.vocab_projection(x[n - 1 : n], w), out[n - 1 : n]), n
+for t in (0, 1):  # and whichever order its call's tiles are launched in
+    assert torch.equal(tk.vocab_projection(x, w, {"t": t}), out), t
 assert tk.vocab_projection(x.view(4, 5, 96), w).shape == (4, 5, 1000)
 assert tk.vocab_projection(x[:, ::2].contiguous(), w[:, ::2]) is None  # a strided weight: declined
 assert tk.vocab_projection(torch.randn(tk.VOCAB_MAX_ROWS + 1, 96), w) is None  # too many rows: F.linear's
@@ -265,6 +267,8 @@ assert tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight) is N
 tk.VOCAB_NORM = True
 with torch.no_grad():
     logits, normed = tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight)
+    tiled = tk.norm_vocab_projection(hidden, norm_w, 1e-5, model.lm_head.weight, {"t": 1})
+    assert torch.equal(tiled[0], logits) and torch.equal(tiled[1], normed)
     x = hidden.float()
     x = norm_w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     torch.testing.assert_close(logits, F.linear(x, model.lm_head.weight.float()), rtol=1e-5, atol=1e-5)
@@ -344,8 +348,10 @@ def test_vocab_launch_settings_from_the_environment_are_checked():
         return subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLASHSPEC_VOCAB_CONFIG": value},
                               capture_output=True, text=True)
 
-    assert load("v=64, w=8").stdout.strip() == "{'v': 64, 'h': 64, 'w': 8, 'split': 3}"
-    for bad, words in (("v=100", "power of two >= 16"), ("split=1", "must be 3"), ("x=2", "one of v=")):
+    assert load("v=64, w=8").stdout.strip() == "{'v': 64, 'h': 64, 'w': 8, 'split': 3, 't': 0}"
+    assert load("t=1").stdout.strip() == "{'v': 128, 'h': 64, 'w': 4, 'split': 3, 't': 1}"
+    for bad, words in (("v=100", "power of two >= 16"), ("split=1", "must be 3"), ("x=2", "one of v="),
+                       ("t=2", "must be 1")):
         done = load(bad)
         assert done.returncode != 0 and words in done.stderr, (bad, done.stderr[-300:])
 

@@ -163,6 +163,8 @@ def test_vocab_projection_equals_fp32_linear(split, n):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)  # fp32 rounding of sums of 576 products
     alone = torch.cat([triton_kernels.vocab_projection(x[i : i + 1], w, {"split": split}) for i in range(n)])
     assert torch.equal(alone, out)  # a row's logits do not depend on the rows sharing its call
+    for t in (0, 1):  # nor on the order the tiles' programs are launched in
+        assert torch.equal(triton_kernels.vocab_projection(x, w, {"split": split, "t": t}), out), t
 
 
 def test_vocab_projection_inside_a_cuda_graph_and_in_the_model():
@@ -205,6 +207,9 @@ def test_norm_vocab_projection_equals_the_torch_norm_then_projection(monkeypatch
     torch.testing.assert_close(normed.float(), x.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-6)  # one bf16 unit
     alone = torch.cat([triton_kernels.norm_vocab_projection(hidden[i : i + 1], norm_w, 1e-5, w)[0] for i in range(n)])
     assert torch.equal(alone, logits)  # a row's logits do not depend on the rows sharing its call
+    for t in (0, 1):  # nor on the order the tiles' programs are launched in
+        again = triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w, {"t": t})
+        assert torch.equal(again[0], logits) and torch.equal(again[1], normed), t
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = triton_kernels.norm_vocab_projection(hidden, norm_w, 1e-5, w)
