@@ -36,7 +36,7 @@ accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), a
 without a streak gamma (and at each streak gamma other than its default);
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
-`--vocab-config t=1` adds lookup at the largest gamma overlapped and the service's setting again with the vocabulary
+`--vocab-config t=0` adds lookup at the largest gamma overlapped and the service's setting again with the vocabulary
 projection's launch setting overridden by that (FLASHSPEC_VOCAB_CONFIG's syntax) while the row builds, warms up and
 runs its passes (its CUDA graphs are captured with it), side by side.
 --trees 2,4 adds best-draft rows with draft trees of those widths (gamma 5 and each of --gammas, those overlapped
@@ -620,7 +620,7 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def vocab_setting(text: str) -> dict[str, int]:
-    """'t=1' -> {'t': 1}: `--vocab-config`'s overrides of `triton_kernels.VOCAB_CONFIG`, checked as
+    """'t=0' -> {'t': 0}: `--vocab-config`'s overrides of `triton_kernels.VOCAB_CONFIG`, checked as
     FLASHSPEC_VOCAB_CONFIG is (an unknown key or a bad value is an argparse error)."""
     from engine.triton_kernels import VOCAB_CONFIG, launch_config
 
@@ -632,7 +632,7 @@ def vocab_setting(text: str) -> dict[str, int]:
         raise argparse.ArgumentTypeError(f"--vocab-config: {text!r}: split must be 0 or 3, t 0 or 1")
     keys = {item.partition("=")[0] for item in text.replace(" ", "").split(",") if item}
     if not keys:
-        raise argparse.ArgumentTypeError("--vocab-config: name a setting, e.g. t=1")
+        raise argparse.ArgumentTypeError("--vocab-config: name a setting, e.g. t=0")
     return {k: full[k] for k in full if k in keys}
 
 
@@ -920,11 +920,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
             rows.append(service(after=after, vocab_config=vocab))
     if getattr(bench.args, "lookup_before_repeat", False):  # the rule before the repeat (n 3 else 2), side by side
         before = ", rule before the repeat"
-        old = LookupDraft(min_n=2, gammas={}, repeat=False)
+        old = LookupDraft(max_n=3, min_n=2, gammas={}, repeat=False)
         rows += [alone(old, top, ", overlapped" + before, overlap=True),
                  alone(old, top, ", governor, overlapped" + before, governor=True, overlap=True)]
         if best:
-            rows.append(service(after=before, alternative=LookupDraft(min_n=2, repeat=False)))
+            rows.append(service(after=before, alternative=LookupDraft(max_n=3, min_n=2, repeat=False)))
     return rows
 
 
@@ -1147,16 +1147,16 @@ def main() -> None:
                              "gammas, alone and overlapped, and at the largest with the governor, e.g. 5,8")
     parser.add_argument("--lookup-before-repeat", action="store_true",
                         help="with --lookup: also lookup's rows (alone and in the service's setting) with the rule "
-                             "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(min_n=2, "
+                             "before the repeat (n 3 else 2, only the tokens that followed; LookupDraft(max_n=3, min_n=2, "
                              "repeat=False)), side by side")
     parser.add_argument("--lookup-max-n", default=(), type=int_list,
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the longest n-gram looked up at each of these (LookupDraft(max_n=N); the "
-                             "default is 3), side by side, e.g. 6")
+                             "default is engine.lookup.DEFAULT_MAX_N, 6), side by side, e.g. 3")
     parser.add_argument("--vocab-config", default=None, type=vocab_setting,
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the vocabulary projection's launch setting overridden by this "
-                             "(FLASHSPEC_VOCAB_CONFIG's syntax), side by side, e.g. t=1")
+                             "(FLASHSPEC_VOCAB_CONFIG's syntax), side by side, e.g. t=0")
     parser.add_argument("--return-window", default=(), type=int_list,
                         help="with --lookup: also the service's setting with the governor's return window (replayed "
                              "rounds the way back to lookup is judged by; engine.governor.RETURN_WINDOW) at each of "

@@ -39,10 +39,10 @@ import torch
 
 from bench.draft_temperature import replies_parser, target_replies
 from bench.tree_headroom import simulate_tree_rounds, verified_step
-from engine.lookup import continuation
+from engine.lookup import DEFAULT_MAX_N, continuation
 
 
-def ngram_lookup(tokens: list[int], gamma: int, max_n: int = 3, min_n: int = 1, repeat: bool = True) -> list[int]:
+def ngram_lookup(tokens: list[int], gamma: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1, repeat: bool = True) -> list[int]:
     """The gamma tokens that followed the most recent earlier occurrence of the last n tokens (n = max_n down
     to min_n, the longest that occurs), repeated with their period where they reach the end of `tokens`
     (`repeat=False`: only those that followed, up to gamma); [] where none occurs."""
@@ -110,7 +110,7 @@ def streak_rounds(sequences: list[list[int]], starts: list[int], gamma: int, str
             "tokens_per_cost": made / max(spent, 1e-9)}
 
 
-# --rules: the lookup rule's variants, (min_n, repeat); with max_n 3 the first is the rule before run 38.
+# --rules: the lookup rule's variants, (min_n, repeat); with --max-n 3 the first is the rule before run 38.
 RULES = ((2, False), (1, False), (2, True), (1, True))
 
 
@@ -186,7 +186,8 @@ def streak_pairs(text: str) -> tuple[tuple[int, int], ...]:
 def main(argv: list[str] | None = None) -> None:
     parser = replies_parser(__doc__.splitlines()[0], "greedy reply tokens per prompt")
     parser.add_argument("--gamma", type=int, default=5, help="tokens a round drafts or looks up")
-    parser.add_argument("--max-n", type=int, default=3)
+    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help="the longest n-gram looked up (the engine's default, engine.lookup.DEFAULT_MAX_N)")
     parser.add_argument("--min-n", type=int, default=1)
     parser.add_argument("--shape", choices=("long", "request"), default="long")
     parser.add_argument("--rules", default=(), type=lambda v: tuple(int(g) for g in v.split(",") if g),

@@ -637,11 +637,12 @@ def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_
 # Launch setting: v = vocabulary entries a program, h = features a step, w = warps, split = 3 (three bf16
 # tensor-core products) or 0 (fp32 products on the CUDA cores: 4-6x slower than cuBLAS on the H200, kept as the
 # path Triton's CPU interpreter can run, whose bf16 dot is wrong), t = 1 to launch a vocabulary block's 16-row tiles
-# as neighbouring programs (a call of more than 16 rows reads the weight about once instead of once a tile), 0 to
-# launch every block of one tile before the next tile's. The default is the H200 sweep's best
-# (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
+# as neighbouring programs in a call of more than 16 rows (it reads the weight about once instead of once a tile;
+# same bits), 0 to launch every block of one tile before the next tile's. v, h, w: the H200 sweep's best
+# (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28); t = 1: run 44 (H100, 48 rows: 60 -> 50 us with the
+# norm inside the launch). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
 VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""),
-                             {"v": 128, "h": 64, "w": 4, "split": 3, "t": 0}, {"v": 16, "h": 16, "w": 1})
+                             {"v": 128, "h": 64, "w": 4, "split": 3, "t": 1}, {"v": 16, "h": 16, "w": 1})
 if VOCAB_CONFIG["split"] not in (0, 3):
     raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: split={VOCAB_CONFIG['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
 if VOCAB_CONFIG["t"] not in (0, 1):
@@ -689,11 +690,12 @@ def _project(x: torch.Tensor, weight: torch.Tensor, cfg: dict, norm_weight: torc
     normed = None if norm_weight is None else torch.empty(n, h, device=x.device, dtype=x.dtype)
     block_h = min(cfg["h"], max(16, 1 << (h - 1).bit_length()))
     grid = (-(-vocab // cfg["v"]), -(-n // 16))
-    _kernels().vocab_projection[grid[::-1] if cfg["t"] else grid](
+    tile_major = bool(cfg["t"]) and grid[1] > 1  # one tile: the launch of t=0, whatever t says
+    _kernels().vocab_projection[grid[::-1] if tile_major else grid](
         rows, rows if norm_weight is None else norm_weight, weight, out, rows if normed is None else normed, n, vocab,
         rows.stride(0), weight.stride(0), out.stride(0), 0 if normed is None else normed.stride(0), eps,
         H=h, BLOCK_V=cfg["v"], BLOCK_H=block_h, SPLIT=cfg["split"], NORM=norm_weight is not None,
-        TILE_MAJOR=bool(cfg["t"]), num_warps=cfg["w"], **pdl(x))
+        TILE_MAJOR=tile_major, num_warps=cfg["w"], **pdl(x))
     return out.view(*x.shape[:-1], vocab), None if normed is None else normed.view(x.shape)
 
 

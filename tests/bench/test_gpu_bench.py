@@ -377,7 +377,7 @@ def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target
                    "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
                    "rule before the repeat"]
     alone, new = rows[old[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
-    assert alone.eng.drafts["code"].rule == (3, 2, False) and new.eng.drafts["code"].rule == (3, 1, True)
+    assert alone.eng.drafts["code"].rule == (3, 2, False) and new.eng.drafts["code"].rule == (6, 1, True)
     service = rows[old[2]]()
     assert service.eng.drafts["lookup"].rule == (3, 2, False)
     for row in (alone, new, service):
@@ -388,8 +388,8 @@ def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target
 
 def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     """--lookup-max-n N: lookup alone at the largest gamma (overlapped) and the service's setting again with the
-    longest n-gram looked up at N, with plain decoding's tokens; a longer n picks the place whose longer context
-    matches over the most recent place of the short one."""
+    longest n-gram looked up at N (here 3, shorter than the default 6), with plain decoding's tokens; a longer n picks
+    the place whose longer context matches over the most recent place of the short one."""
     import argparse
 
     from bench.gpu import Bench, lookup_rows
@@ -397,21 +397,21 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     from drafts.model import DraftModel
 
     bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4), lookup_max_n=(6,))
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4), lookup_max_n=(3,))
     bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
     # "1 2 3" recurs with different continuations; only its 5-token context "8 9 1 2 3" picks the one that repeats
     prompts = [[8, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 6, 8, 9, 1, 2, 3]]
     workload = (prompts, ["code"], 10, True, 1)
     best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
     rows = dict(lookup_rows(bench, workload, None, "", best))
-    longer = [name for name in rows if "n up to 6" in name]
-    assert longer == ["FlashSpec lookup, gamma 4, overlapped, n up to 6",
+    shorter = [name for name in rows if "n up to 3" in name]
+    assert shorter == ["FlashSpec lookup, gamma 4, overlapped, n up to 3",
                       "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
-                      "n up to 6"]
-    alone, default = rows[longer[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
-    assert alone.eng.drafts["code"].rule == (6, 1, True) and default.eng.drafts["code"].rule == (3, 1, True)
-    service = rows[longer[1]]()
-    assert service.eng.drafts["lookup"].rule == (6, 1, True)
+                      "n up to 3"]
+    alone, default = rows[shorter[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
+    assert alone.eng.drafts["code"].rule == (3, 1, True) and default.eng.drafts["code"].rule == (6, 1, True)
+    service = rows[shorter[1]]()
+    assert service.eng.drafts["lookup"].rule == (3, 1, True)
     for row in (alone, default, service):
         row.timed_pass()
     assert [o.token_ids for o in alone.outs] == [o.token_ids for o in default.outs] == [o.token_ids for o in service.outs]
@@ -420,12 +420,13 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     history, length = torch.tensor(prompts), torch.tensor([len(prompts[0])])
     assert propose(history, length, 2, max_n=3)[0].tolist() == [[6, 6]]  # after "7 1 2 3", the most recent
     assert propose(history, length, 2, max_n=6)[0].tolist() == [[4, 5]]  # after "8 9 1 2 3", the longest
+    assert propose(history, length, 2)[0].tolist() == [[4, 5]]  # the default looks up to 6
     bench.args.lookup_max_n = ()
     assert not [name for name in dict(lookup_rows(bench, workload, None, "", best)) if "n up to" in name]
 
 
 def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_target):
-    """--vocab-config t=1: lookup alone at the largest gamma (overlapped) and the service's setting again, every model
+    """--vocab-config t=0: lookup alone at the largest gamma (overlapped) and the service's setting again, every model
     call of theirs (warm-up and timed passes) under the vocabulary launch setting, the other rows' under the default;
     plain decoding's tokens; a bad setting is an argparse error naming it."""
     import argparse
@@ -439,29 +440,29 @@ def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_ta
 
     bench = Bench.__new__(Bench)
     bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4),
-                                    vocab_config=vocab_setting("t=1"))
+                                    vocab_config=vocab_setting("t=0"))
     bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 12, True, 2)
     best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     named = [name for name in rows if "vocabulary" in name]
-    assert named == ["FlashSpec lookup, gamma 4, overlapped, vocabulary t=1",
+    assert named == ["FlashSpec lookup, gamma 4, overlapped, vocabulary t=0",
                      "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
-                     "vocabulary t=1"]
+                     "vocabulary t=0"]
     seen: list[int] = []
     hook = tiny_target.model.lm_head.register_forward_hook(lambda *_: seen.append(triton_kernels.VOCAB_CONFIG["t"]))
     try:
         default = rows["FlashSpec lookup, gamma 4, overlapped"]()
         default.timed_pass()
-        assert seen and set(seen) == {0}
+        assert seen and set(seen) == {1}  # the default
         seen.clear()
         tiled = [rows[name]() for name in named]
         for row in tiled:
             row.timed_pass()
-        assert seen and set(seen) == {1}
+        assert seen and set(seen) == {0}
     finally:
         hook.remove()
-    assert triton_kernels.VOCAB_CONFIG["t"] == 0  # restored after each row's block
+    assert triton_kernels.VOCAB_CONFIG["t"] == 1  # restored after each row's block
     assert [o.token_ids for o in default.outs] == [o.token_ids for o in tiled[0].outs] == [o.token_ids for o in tiled[1].outs]
     for bad in ("t=2", "q=1", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="--vocab-config"):

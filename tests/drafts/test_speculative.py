@@ -21,7 +21,7 @@ from drafts.model import DraftModel
 from engine.attention import SdpaBackend
 from engine.gamma import GammaController
 from engine.generate import generate
-from engine.lookup import MAX_GAMMA
+from engine.lookup import MAX_GAMMA, LookupDraft
 from engine.requests import Request
 from engine.sampling import SamplingParams, processed_probs, sample
 from engine.scheduler import DecodeEngine
@@ -1221,8 +1221,8 @@ def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decod
         assert outs[0].stats.rounds and outs[1].stats.rounds and not (outs[2].stats and outs[2].stats.rounds)
         if graphs:  # the lookup rows beside the draft's rows: one captured round, one verify pass for both kinds
             keys = list(eng.graphs.graphs)
-            assert any(k[0] == "greedy-round" and ("lookup", 3, 1, True) in k for k in keys), keys
-            both = [k for k in keys if k[0] == "greedy-round" and ("lookup", 3, 1, True) in k]
+            assert any(k[0] == "greedy-round" and ("lookup", *LookupDraft().rule) in k for k in keys), keys
+            both = [k for k in keys if k[0] == "greedy-round" and ("lookup", *LookupDraft().rule) in k]
             assert both and all(k[1] == 1 for k in both)  # one draft in the graph; the lookup drafter is none
 
 

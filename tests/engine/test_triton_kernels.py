@@ -348,8 +348,8 @@ def test_vocab_launch_settings_from_the_environment_are_checked():
         return subprocess.run([sys.executable, "-c", code], env={**os.environ, "FLASHSPEC_VOCAB_CONFIG": value},
                               capture_output=True, text=True)
 
-    assert load("v=64, w=8").stdout.strip() == "{'v': 64, 'h': 64, 'w': 8, 'split': 3, 't': 0}"
-    assert load("t=1").stdout.strip() == "{'v': 128, 'h': 64, 'w': 4, 'split': 3, 't': 1}"
+    assert load("v=64, w=8").stdout.strip() == "{'v': 64, 'h': 64, 'w': 8, 'split': 3, 't': 1}"
+    assert load("t=0").stdout.strip() == "{'v': 128, 'h': 64, 'w': 4, 'split': 3, 't': 0}"
     for bad, words in (("v=100", "power of two >= 16"), ("split=1", "must be 3"), ("x=2", "one of v="),
                        ("t=2", "must be 1")):
         done = load(bad)

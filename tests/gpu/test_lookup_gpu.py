@@ -144,4 +144,4 @@ def test_lookup_rows_beside_draft_rows_share_one_captured_round_with_plain_decod
     eng.calibrate(prompt_tokens=4)
     got = generate(eng, prompts, params, ["lookup", "d", "lookup", "d", "d", "d"])
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
-    assert any(k[0] == "greedy-round" and ("lookup", 3, 1, True) in k for k in eng.graphs.graphs)
+    assert any(k[0] == "greedy-round" and ("lookup", *LookupDraft().rule) in k for k in eng.graphs.graphs)
