@@ -622,14 +622,12 @@ def int_list(text: str) -> tuple[int, ...]:
 def vocab_setting(text: str) -> dict[str, int]:
     """'t=0' -> {'t': 0}: `--vocab-config`'s overrides of `triton_kernels.VOCAB_CONFIG`, checked as
     FLASHSPEC_VOCAB_CONFIG is (an unknown key or a bad value is an argparse error)."""
-    from engine.triton_kernels import VOCAB_CONFIG, launch_config
+    from engine.triton_kernels import VOCAB_CONFIG, vocab_config
 
     try:
-        full = launch_config("--vocab-config", text, VOCAB_CONFIG, {"v": 16, "h": 16, "w": 1})
+        full = vocab_config("--vocab-config", text, VOCAB_CONFIG)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if full["split"] not in (0, 3) or full["t"] not in (0, 1):
-        raise argparse.ArgumentTypeError(f"--vocab-config: {text!r}: split must be 0 or 3, t 0 or 1")
     keys = {item.partition("=")[0] for item in text.replace(" ", "").split(",") if item}
     if not keys:
         raise argparse.ArgumentTypeError("--vocab-config: name a setting, e.g. t=0")

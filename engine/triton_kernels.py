@@ -641,12 +641,19 @@ def launch_config(variable: str, text: str, defaults: dict[str, int], powers_of_
 # same bits), 0 to launch every block of one tile before the next tile's. v, h, w: the H200 sweep's best
 # (`bench.round_profile --vocab-calls`, bench/RESULTS.md run 28); t = 1: run 44 (H100, 48 rows: 60 -> 50 us with the
 # norm inside the launch). FLASHSPEC_VOCAB_CONFIG="v=64,w=8" overrides some.
-VOCAB_CONFIG = launch_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""),
-                             {"v": 128, "h": 64, "w": 4, "split": 3, "t": 1}, {"v": 16, "h": 16, "w": 1})
-if VOCAB_CONFIG["split"] not in (0, 3):
-    raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: split={VOCAB_CONFIG['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
-if VOCAB_CONFIG["t"] not in (0, 1):
-    raise ValueError(f"FLASHSPEC_VOCAB_CONFIG: t={VOCAB_CONFIG['t']} must be 1 (a block's tiles side by side) or 0")
+def vocab_config(variable: str, text: str, defaults: dict[str, int]) -> dict[str, int]:
+    """The vocabulary projection's launch setting: `defaults` with the overrides in `text` (`launch_config`, errors
+    naming `variable`), split 3 or 0 and t 1 or 0. A ValueError names what is wrong."""
+    config = launch_config(variable, text, defaults, {"v": 16, "h": 16, "w": 1})
+    if config["split"] not in (0, 3):
+        raise ValueError(f"{variable}: split={config['split']} must be 3 (bf16 parts) or 0 (fp32 products)")
+    if config["t"] not in (0, 1):
+        raise ValueError(f"{variable}: t={config['t']} must be 1 (a block's tiles side by side) or 0")
+    return config
+
+
+VOCAB_CONFIG = vocab_config("FLASHSPEC_VOCAB_CONFIG", os.environ.get("FLASHSPEC_VOCAB_CONFIG", ""),
+                            {"v": 128, "h": 64, "w": 4, "split": 3, "t": 1})
 
 
 def vocab_projection(x: torch.Tensor, weight: torch.Tensor, config: dict | None = None) -> torch.Tensor | None:

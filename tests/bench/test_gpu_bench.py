@@ -11,6 +11,26 @@ from engine.sampling import SamplingParams
 from engine.scheduler import DecodeEngine
 
 
+def bench_on(tiny_target, **args):
+    """A Bench over the tiny target without loading a model: one timed pass a row, no fp32 check, `args` more flags."""
+    import argparse
+
+    from bench.gpu import Bench
+
+    bench = Bench.__new__(Bench)
+    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, **args)
+    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    return bench
+
+
+def tiny_draft(tiny_target):
+    """A one-trunk-layer, one-adapter draft over the tiny target (the rows' best draft)."""
+    from drafts.config import DraftConfig
+    from drafts.model import DraftModel
+
+    return DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+
+
 def test_greedy_outputs_agree_everywhere_and_a_changed_token_is_one_miss_with_its_gap(tiny_target):
     model = tiny_target.model
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -174,13 +194,9 @@ def test_the_host_split_counts_rounds_and_restores_the_engine(tiny_target):
 def test_a_timed_pass_that_captured_a_graph_runs_again(tiny_target):
     """A pass during which the engine captured a CUDA graph is no steady-state sample: it runs again (at most
     twice), and the row counts the reruns; the rate is the last try's."""
-    import argparse
+    from bench.gpu import RERUNS
 
-    from bench.gpu import RERUNS, Bench
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, gammas=(), adaptive_gamma=False)
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, gammas=(), adaptive_gamma=False)
     row = bench.engine_row([[5, 6, 7], [8, 9, 10, 11]], ["code", "code"], 6, True, 2, None)
     tries, real = [], row.once
 
@@ -219,17 +235,10 @@ def test_shaped_prompts_are_exactly_the_benchmark_lengths(tiny):
 
 def test_fixed_gamma_rows_also_run_overlapped_on_request(tiny_target):
     """--gammas 3 --gammas-overlapped: the fixed-gamma row, and its twin with overlapped graph calls."""
-    import argparse
+    from bench.gpu import best_rows
 
-    from bench.gpu import Bench, best_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, gammas=(3,), gammas_overlapped=True,
-                                    adaptive_gamma=False)
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
-    draft = DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))
+    bench = bench_on(tiny_target, gammas=(3,), gammas_overlapped=True, adaptive_gamma=False)
+    draft = tiny_draft(tiny_target)
     draft.init_from_target()
     rows = dict(best_rows(bench, ([[5, 6, 7]], ["code"], 4, True, 1), {"code": draft}, None, blocks=(5,)))
     assert list(rows) == ["FlashSpec best drafts, block 5", "FlashSpec best drafts, gamma 3",
@@ -284,13 +293,9 @@ def test_overridden_sets_module_switches_for_a_block_and_restores_them_after_an_
 def test_lookup_rows_run_the_requests_on_a_lookup_drafter(tiny_target):
     """--lookup 3,5: rows whose requests name an n-gram lookup drafter, at each gamma alone and overlapped, and at
     the largest with the governor."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 5))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3, 5))
     workload = ([[5, 6, 7, 5, 6]], ["code"], 6, True, 1)
     rows = dict(lookup_rows(bench, workload, None, " (fused)"))
     assert list(rows) == ["FlashSpec lookup, gamma 3 (fused)", "FlashSpec lookup, gamma 3, overlapped (fused)",
@@ -308,21 +313,15 @@ def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tin
     """With the best drafts, --lookup adds the service's setting where each draft has the lookup drafter as an
     alternative (`DecodeEngine.set_alternatives`): the governor tries both, then runs the cheaper; every request's
     tokens are plain decoding's; the row says where its pass's tokens came from and what the governor decided."""
-    import argparse
-
-    from bench.gpu import Bench, lookup_rows, paths
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
+    from bench.gpu import lookup_rows, paths
     from engine.generate import generate
     from engine.sampling import SamplingParams
     from engine.scheduler import DecodeEngine
 
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3,))
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8], [4, 4, 5, 4, 4, 5], [7, 3, 7, 3, 7, 3]]
     workload = (prompts, ["code"] * 4, 12, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     name = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-1] == name
@@ -358,18 +357,11 @@ def test_the_lookup_alternative_row_lets_the_governor_pick_a_draft_or_lookup(tin
 def test_lookup_before_repeat_rows_run_the_earlier_rule_side_by_side(tiny_target):
     """--lookup-before-repeat: the largest gamma's lookup rows, alone and in the service's setting, again with the
     rule before the repeat (n 3 else 2, only the tokens that followed), with plain decoding's tokens."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4),
-                                    lookup_before_repeat=True)
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3, 4), lookup_before_repeat=True)
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 10, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     old = [name for name in rows if "rule before the repeat" in name]
     assert old == ["FlashSpec lookup, gamma 4, overlapped, rule before the repeat",
@@ -390,19 +382,13 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     """--lookup-max-n N: lookup alone at the largest gamma (overlapped) and the service's setting again with the
     longest n-gram looked up at N (here 3, shorter than the default 6), with plain decoding's tokens; a longer n picks
     the place whose longer context matches over the most recent place of the short one."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4), lookup_max_n=(3,))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3, 4), lookup_max_n=(3,))
     # "1 2 3" recurs with different continuations; only its 5-token context "8 9 1 2 3" picks the one that repeats
     prompts = [[8, 9, 1, 2, 3, 4, 5, 7, 1, 2, 3, 6, 6, 8, 9, 1, 2, 3]]
     workload = (prompts, ["code"], 10, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     shorter = [name for name in rows if "n up to 3" in name]
     assert shorter == ["FlashSpec lookup, gamma 4, overlapped, n up to 3",
@@ -433,17 +419,12 @@ def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_ta
 
     import pytest
 
-    from bench.gpu import Bench, lookup_rows, vocab_setting
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
+    from bench.gpu import lookup_rows, vocab_setting
     from engine import triton_kernels
 
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3, 4),
-                                    vocab_config=vocab_setting("t=0"))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3, 4), vocab_config=vocab_setting("t=0"))
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 12, True, 2)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     named = [name for name in rows if "vocabulary" in name]
     assert named == ["FlashSpec lookup, gamma 4, overlapped, vocabulary t=0",
@@ -472,17 +453,11 @@ def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_ta
 def test_lookup_lone_rows_run_the_service_at_another_lone_lookup_gamma(tiny_target):
     """--lookup-lone G: the service's setting again with a lone greedy row's lookup gamma G
     (LookupDraft(gammas={1: G})), side by side; its lone lookup rounds run at G, with plain decoding's tokens."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), lookup_lone=(6, 12))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3,), lookup_lone=(6, 12))
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]], ["code", "code"], 14, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-3:] == [base, base + ", lone lookup gamma 6", base + ", lone lookup gamma 12"]
@@ -501,17 +476,11 @@ def test_lookup_streak_rows_run_lookup_with_and_without_a_streak_gamma(tiny_targ
     """--lookup-streaks S: lookup alone at the largest gamma again with a lone row's rounds at S after a full round
     (the alone rows propose their gamma every round), and the service's setting again without a streak gamma (and
     at S where S is not its default); the same tokens."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), lookup_streaks=(9, 15))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3,), lookup_streaks=(9, 15))
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 40, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     alone = "FlashSpec lookup, gamma 3, overlapped"
@@ -537,16 +506,12 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
     return window W, with other governor settings, or plain calls priced as before, side by side."""
     import argparse
 
-    from bench.gpu import Bench, governor_settings, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
+    from bench.gpu import governor_settings, lookup_rows
     from engine.governor import RETURN_WINDOW
 
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), return_window=(32,))
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3,), return_window=(32,))
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     assert list(rows)[-2:] == [base, base + ", return window 32"]
@@ -572,17 +537,11 @@ def test_return_window_rows_run_the_service_with_another_governor_window(tiny_ta
 def test_side_prefill_rows_run_lookup_and_the_service_with_prefills_beside_the_running_rows(tiny_target):
     """--side-prefill: lookup at the largest gamma overlapped and the service's setting again with each admission's
     prefill beside the running rows (DecodeEngine(side_prefill=True)); the other rows keep the default (off)."""
-    import argparse
+    from bench.gpu import lookup_rows
 
-    from bench.gpu import Bench, lookup_rows
-    from drafts.config import DraftConfig
-    from drafts.model import DraftModel
-
-    bench = Bench.__new__(Bench)
-    bench.args = argparse.Namespace(passes=1, short_passes=None, fp32_check=False, lookup=(3,), side_prefill=True)
-    bench.loaded, bench.tok, bench.rows, bench._cell_base = tiny_target, None, [], None
+    bench = bench_on(tiny_target, lookup=(3,), side_prefill=True)
     workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
-    best = {"code": DraftModel(tiny_target.model, DraftConfig(shared_layers=1, adapter_layers=1, head="mlp_tied"))}
+    best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     beside = [name for name in rows if name.endswith("prefills beside the running rows")]
