@@ -392,8 +392,8 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     rows = dict(lookup_rows(bench, workload, None, "", best))
     shorter = [name for name in rows if "n up to 3" in name]
     assert shorter == ["FlashSpec lookup, gamma 4, overlapped, n up to 3",
-                      "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
-                      "n up to 3"]
+                       "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                       "n up to 3"]
     alone, default = rows[shorter[0]](), rows["FlashSpec lookup, gamma 4, overlapped"]()
     assert alone.eng.drafts["code"].rule == (3, 1, True) and default.eng.drafts["code"].rule == (6, 1, True)
     service = rows[shorter[1]]()
