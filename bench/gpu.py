@@ -31,6 +31,9 @@ priced from its step's start (the host's work between reads left out, as before)
 `--side-prefill` adds plain decoding (fused, alone and overlapped), lookup at the largest gamma overlapped and the
 service's setting again with each admission's prefill on a second stream beside the running rows
 (`DecodeEngine(side_prefill=True)`);
+`--prefill-ahead 7` adds overlapped plain decoding, lookup at the largest gamma overlapped and the service's setting
+again with 7 cache rows for requests prefilled ahead of a free running row, a group a prefill pass
+(`DecodeEngine(prefill_ahead=7)`);
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
 without a streak gamma (and at each streak gamma other than its default);
@@ -841,6 +844,12 @@ def best_rows(bench: Bench, workload: tuple, best: dict, ref, suffix: str = "", 
 
 BESIDE = ", prefills beside the running rows"  # the rows of --side-prefill (DecodeEngine(side_prefill=True))
 
+
+def ahead_label(k: int) -> str:
+    """The rows of --prefill-ahead k (DecodeEngine(prefill_ahead=k))."""
+    return f", {k} rows prefilled ahead"
+
+
 def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict | None = None) -> list[tuple]:
     """(name, build) for rows whose requests name an n-gram lookup drafter (--lookup gammas): at each gamma alone
     and overlapped, and at the largest in the service's setting (governor, overlapped); with `best` (the best
@@ -884,6 +893,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
         rows.append(alone(lookup, top, ", overlapped" + BESIDE, overlap=True, engine_kw=beside))
         if best:
             rows.append(service(after=BESIDE, engine_kw=beside))
+    for k in getattr(bench.args, "prefill_ahead", ()):  # admissions prefilled in groups ahead of a free row
+        ahead = {"prefill_ahead": k}
+        rows.append(alone(lookup, top, ", overlapped" + ahead_label(k), overlap=True, engine_kw=ahead))
+        if best:
+            rows.append(service(after=ahead_label(k), engine_kw=ahead))
     if best and getattr(bench.args, "comeback_prices", "on") == "off":  # plain rows' replays not pricing lookup
         rows.append(service(after=", plain rows' replays not pricing lookup", engine_attrs={"comeback_prices": False}))
     if getattr(bench.args, "plain_timing", None) == "step":  # plain calls priced as before, side by side
@@ -959,6 +973,10 @@ def run_fused(bench: Bench, args, settings, refs: dict, best: dict, seed: dict) 
                       lambda overlap=overlap: bench.engine_row(*workload, None, reference=ref, overlap=overlap,
                                                                engine_kw={"side_prefill": True}))
                      for more, overlap in (("", False), (", overlapped", True))]
+        rows += [(f"engine AR (fused, overlapped){ahead_label(k)}",
+                  lambda k=k: bench.engine_row(*workload, None, reference=ref, overlap=True,
+                                               engine_kw={"prefill_ahead": k}))
+                 for k in args.prefill_ahead]  # plain decoding with admissions prefilled ahead
         if best:
             rows += best_rows(bench, workload, best, ref, " (fused)", args.blocks)
         else:
@@ -1168,6 +1186,11 @@ def main() -> None:
                              "largest gamma overlapped and the service's setting with each admission's prefill on a "
                              "second CUDA stream beside the running rows (DecodeEngine(side_prefill=True)), side by "
                              "side")
+    parser.add_argument("--prefill-ahead", default=(), type=int_list,
+                        help="also overlapped plain decoding (fused) and, with --lookup, lookup at the largest gamma "
+                             "overlapped and the service's setting with this many cache rows for requests prefilled "
+                             "ahead of a free running row, a group a pass (DecodeEngine(prefill_ahead=K)), side by "
+                             "side; e.g. 7")
     parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "

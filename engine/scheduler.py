@@ -98,6 +98,7 @@ class DecodeEngine:
         prefill_graphs: bool | None = None,
         lookup_replay: bool | str = "alone",
         side_prefill: bool | None = None,
+        prefill_ahead: int = 0,
     ) -> None:
         """cuda_graphs: capture fixed-shape steps as CUDA graphs (default: on when the model is on CUDA;
         "emulate": the graph path's fixed shapes and padding without capturing, for tests on CPU).
@@ -139,9 +140,20 @@ class DecodeEngine:
         processes, -2.3 % in a third): a 512-token prefill's wide kernels slow the rows' small kernels beside it
         about as much as stopping them does (rounds 1.54 against 1.32 ms a step beside it), and each admission
         costs the chain of overlapped calls one more stop. True on CPU (tests) runs the same bookkeeping, the prefill done by the time it
-        returns."""
+        returns.
+        prefill_ahead: cache rows beyond max_batch_size for requests prefilled ahead of a free running row. Where
+        rows finish one at a time (speculative rows accept different numbers of tokens; requests want different
+        lengths) each admission is otherwise a prefill pass of its own that stops the batch: a 512-token prompt
+        costs about as much alone as a group of several does. With `prefill_ahead` k, the first running row
+        that frees with no prefilled request to take it prefills a group of up to k + 1 waiting requests
+        (at most max_batch_size) in one pass: one takes the row, the others wait prefilled, first token
+        sampled, and take the next rows that free without a pass of their own. No request waits longer for
+        its row than without; the rows cost cache memory (`memory_report`). 0 (the default): admit into free
+        running rows only."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
+        if not isinstance(prefill_ahead, int) or isinstance(prefill_ahead, bool) or prefill_ahead < 0:
+            raise ValueError(f"prefill_ahead must be an integer >= 0, got {prefill_ahead!r}")
         if not (isinstance(lookup_replay, bool) or lookup_replay == "alone"):
             raise ValueError(f"lookup_replay {lookup_replay!r}: need True, False or 'alone'")
         self.min_admit = min_admit
@@ -158,8 +170,10 @@ class DecodeEngine:
         use_graphs = weight.device.type == "cuda" if cuda_graphs is None else bool(cuda_graphs)
         self.graphs = GraphCache(enabled=use_graphs, capture=cuda_graphs != "emulate")
         # Cache rows: one per slot, plus the scratch row padded graph batches write into.
-        self.scratch_row = max_batch_size if use_graphs else None
-        self.cache_rows = max_batch_size + (1 if use_graphs else 0)
+        self.prefill_ahead = prefill_ahead
+        rows = max_batch_size + prefill_ahead  # running rows, then rows prefilled ahead of a free one
+        self.scratch_row = rows if use_graphs else None
+        self.cache_rows = rows + (1 if use_graphs else 0)
         self.cache: KVCache = model.new_cache(self.cache_rows, max_seq_len + self.margin)
         self.device = self.cache.k[0].device
         self.dtype = weight.dtype
@@ -195,7 +209,9 @@ class DecodeEngine:
         self.alternatives: dict[str, tuple[str, ...]] = {}  # draft name -> drafts its requests may run instead
         self.history: torch.Tensor | None = None  # with a LookupDraft: (cache rows, positions) token ids
         self.draft_cache: KVCache | None = None
-        self.slots: list[SlotState | None] = [None] * max_batch_size
+        # Per cache row: the request running there, or None. At most max_batch_size run; with `prefill_ahead` the
+        # other rows hold admissions (`_admitting`) waiting for a running row to free.
+        self.slots: list[SlotState | None] = [None] * rows
         self.waiting: collections.deque[Request] = collections.deque()
         self.governor = governor or SpeculationGovernor(enabled=False)
         if gamma is not None and gamma.max_gamma != self.spec.num_speculative_tokens:
@@ -487,7 +503,7 @@ class DecodeEngine:
             self._scatter_rows = False
             self._streak_forced = None
             self.waiting.clear()  # after a failure: no warm-up request stays behind (the engine was empty)
-            self.slots = [None] * self.max_batch_size
+            self.slots = [None] * len(self.slots)
             self._wait_ahead()
             self._ahead = None  # nor an overlapped call of one
             for a in self._admitting:  # nor an admission whose prefill was launched
@@ -869,10 +885,11 @@ class DecodeEngine:
         unwanted)."""
         if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
             return False
-        if self.waiting and self._free_rows():
+        room = self.max_batch_size - self.num_running  # running rows free
+        if self.waiting and room > self.num_admitting:
             return False  # admitted at the next step (with `side_prefill`, `_admit_beside` took what it could)
-        if self._admitting and self._admitting[0].done():
-            return False  # rows whose prefill has run join at the next step
+        if self._admitting and room > 0 and self._admitting[0].done():
+            return False  # rows whose prefill has run join at the next step (the rest wait: `prefill_ahead`)
         # Last (it asks the governor): a batch about to move to lookup runs its next step unchained (`_batch_to_lookup`).
         return all((s.draft is not None) == speculating and self.slots[s.slot] is s
                    and s.request.params.max_new_tokens - len(s.output_ids) >= span
@@ -927,30 +944,49 @@ class DecodeEngine:
 
     def _join(self, wait: bool) -> list[RequestOutput]:
         """The admissions whose prefill has run (all of them, waiting for each, with `wait`), oldest first: their
-        rows join the batch with their first token committed. A request cancelled meanwhile leaves its row free."""
+        rows join the batch with their first token committed, while fewer than max_batch_size rows run (the rest
+        wait prefilled: `prefill_ahead`). A request cancelled meanwhile leaves its row free."""
         outputs = []
         while self._admitting and (wait or self._admitting[0].done()):
-            a = self._admitting.pop(0)
-            first = _read(a.host, a.ready)
+            a = self._admitting[0]
+            room = self.max_batch_size - self.num_running
+            if room <= 0 and not (a.dropped and a.done()):
+                break  # every running row is taken; a cancelled request's row is freed once its prefill has run
+            first = a.first_tokens()
             if a.ready is not None:  # the batch's later calls read the rows' cache and history behind the prefill
                 torch.cuda.current_stream(self.device).wait_event(a.ready)
+            left = []
             for s, tok, n in zip(a.states, first, a.lengths):
                 if s.request.request_id in a.dropped:
+                    continue
+                if left or self.num_running >= self.max_batch_size:  # (a first token may finish its request)
+                    left.append((s, tok, n))
                     continue
                 s.length = n
                 self.slots[s.slot] = s
                 outputs.append(self._commit(s, [tok]))
+            a.states, a.first, a.lengths = [x[0] for x in left], [x[1] for x in left], [x[2] for x in left]
+            a.dropped = set()
+            if left:
+                break
+            self._admitting.pop(0)
         return outputs
 
     def _launch_admissions(self) -> None:
         """Waiting requests into the free rows (at least `min_admit` of them while rows run, unless every waiting
-        request fits), their prefill launched (`_launch_prefill`) and the group added to `_admitting`."""
+        request fits), their prefill launched (`_launch_prefill`) and the group added to `_admitting`. Only
+        when a running row is free that no admission will take; with `prefill_ahead` the group then fills the
+        rows ahead too (at most max_batch_size requests a pass)."""
         free = self._free_rows()
         running = self.num_running + self.num_admitting
-        if running and len(free) < min(self.min_admit, len(self.waiting)):
+        room = self.max_batch_size - running  # running rows no admission will take
+        if not self.waiting or room <= 0:
+            return
+        if running and room < min(self.min_admit, len(self.waiting)):
             return  # wait until a larger group of rows is free (min_admit)
+        free = free[: min(len(free), len(self.waiting), self.max_batch_size)]
         batch: list[SlotState] = []
-        rows = running + min(len(free), len(self.waiting))  # the batch size these requests will run in
+        rows = min(self.max_batch_size, running + len(free))  # the batch size these requests will run in
         while free and self.waiting:
             req = self.waiting.popleft()
             slot = free.pop(0)
@@ -1574,14 +1610,21 @@ class _Admission:
     """Requests admitted together whose prefill was launched (`DecodeEngine._launch_prefill`): their rows are
     reserved until the prefill has run, then they join the batch (`DecodeEngine._join`)."""
 
-    states: list  # their SlotStates, rows assigned
+    states: list  # their SlotStates, rows assigned (those that have joined are taken out)
     host: torch.Tensor  # their first tokens in host memory, complete once `ready` is
     ready: object  # CUDA event recorded after the prefill and the copy (None: done when launched)
     lengths: list[int]  # their prompts' lengths
     dropped: set = dataclasses.field(default_factory=set)  # ids of the requests cancelled meanwhile
+    first: list | None = None  # their first tokens, once read
 
     def done(self) -> bool:
         return self.ready is None or self.ready.query()
+
+    def first_tokens(self) -> list[int]:
+        """The states' first tokens (waiting for the prefill the first time)."""
+        if self.first is None:
+            self.first = _read(self.host, self.ready)
+        return self.first
 
 
 def _fetch(tokens: torch.Tensor):

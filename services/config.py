@@ -70,6 +70,13 @@ class AppArgs(BaseModel):
                           "and then (engine DecodeEngine.set_alternatives). Lookup wins where replies repeat their "
                           "prompt or themselves (long documents, code edits), the drafts elsewhere. Same tokens either "
                           "way. No effect without the governor, or on a domain whose version is 'lookup'.")
+    prefill_ahead: int = Field(
+        0, ge=0, le=256, description="Cache rows beyond max_batch_size for requests prefilled ahead of a free running "
+                                     "row: the first row that frees with none prefilled prefills a group of up to "
+                                     "prefill_ahead + 1 waiting requests in one pass (at most max_batch_size); the "
+                                     "rest take the next rows that free without a pass of their own "
+                                     "(engine DecodeEngine(prefill_ahead=...)). Same tokens; costs their cache "
+                                     "memory. 0: admit into free running rows only.")
     overlap: bool = Field(
         True, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "
                           "speculative round) from the last one's outcome on the device before the host reads it, so "

@@ -818,7 +818,7 @@ def _admission_traffic(target, eng, names):
         for out in eng.step():
             got[out.request_id].extend(out.token_ids)
     eng.settle()
-    assert not eng.has_work() and eng.num_admitting == 0 and len(eng._free_rows()) == eng.max_batch_size
+    assert not eng.has_work() and eng.num_admitting == 0 and len(eng._free_rows()) == len(eng.slots)
     return got, beside, sum(chained), requests, news
 
 
@@ -874,6 +874,82 @@ def test_a_request_cancelled_while_its_prefill_runs_leaves_its_row_free(target, 
     for i in (0, 1, 3):
         assert got[f"r{i}"] == ar_greedy(target, (len(prompts[i]),), 20)[0]
     assert not eng.has_work() and len(eng._free_rows()) == 4
+
+
+# ----- admissions prefilled ahead of a free running row (DecodeEngine(prefill_ahead=k)) ------------------------
+
+
+@pytest.mark.parametrize("graphs,overlap,side", [(None, False, False), ("emulate", True, False),
+                                                 ("emulate", True, True)],
+                         ids=["eager", "overlapped", "overlapped, prefills beside"])
+def test_prefill_ahead_gives_the_same_tokens_in_fewer_prefill_passes(target, monkeypatch, graphs, overlap, side):
+    """With prefill_ahead, a row that frees with no prefilled request to take it prefills a group into the rows
+    ahead too; the others take the next rows that free without a pass of their own. Lookup, draft and plain rows,
+    greedy and seeded sampled: the same tokens as admitting one free row at a time, never more rows running than
+    max_batch_size, fewer prefill passes, and every row free at the end."""
+    if side:
+        _slow_prefills(monkeypatch)
+    names = ["lookup", "deep", None, "lookup", "win"]
+
+    def run(ahead):
+        eng = _lookup_engine(target, graphs, overlap, extra={"deep": oracle(target, deep=True),
+                                                             "win": noisy(oracle(target), 0.4)},
+                             side_prefill=side, prefill_ahead=ahead)
+        sizes, peak = [], []
+        real_prefill, real_step = eng._prefill, eng.step
+        monkeypatch.setattr(eng, "_prefill", lambda batch: (sizes.append(len(batch)), real_prefill(batch))[1])
+        monkeypatch.setattr(eng, "step", lambda: (real_step(), peak.append(eng.num_running))[0])
+        got, *_, requests, news = _admission_traffic(target, eng, names)
+        return got, sizes, max(peak), requests, news, eng
+
+    base, base_sizes, base_peak, requests, news = run(0)[:5]
+    got, sizes, peak, _, _, eng = run(3)
+    assert got == base
+    assert len(eng.slots) == eng.max_batch_size + 3 and eng.cache_rows == len(eng.slots) + (graphs is not None)
+    assert peak == base_peak == eng.max_batch_size  # rows ahead never run beside a full batch
+    assert sum(sizes) == sum(base_sizes) == len(requests)
+    assert max(sizes) <= eng.max_batch_size and len(sizes) < len(base_sizes), (sizes, base_sizes)
+    for i, r in enumerate(requests):
+        assert len(got[r.request_id]) == news[i]
+        if not r.params.temperature:
+            assert got[r.request_id] == ar_greedy(target, (len(r.prompt_ids),), news[i])[0], f"request {i}"
+
+
+def test_a_request_cancelled_while_prefilled_ahead_frees_its_row_and_the_others_run(target):
+    """Requests prefilled ahead wait in their rows (admitting, listed) while the batch is full; one cancelled there
+    never produces a token and its row is free again; the others join as rows free and give plain decoding's
+    tokens."""
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(5, 5), prefill_ahead=3)
+    eng.add_draft("lookup", LookupDraft())
+    vocab = target.args.vocab_size
+    prompts = prompts_for(vocab, (9, 4, 14, 6, 11))
+    news = (3, 20, 12, 12, 12)
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(f"r{i}", p, SamplingParams(max_new_tokens=news[i], eos_token_ids=()),
+                                "lookup" if i % 2 else None))
+    seen = {}
+
+    def cancel(e):
+        seen["ids"], seen["admitting"], seen["running"] = e.request_ids(), e.num_admitting, e.num_running
+        seen["waiting"] = [r.request_id for r in e.waiting]
+        assert e.cancel("r3")
+
+    got, first = drive(eng, {3: cancel})
+    # r0 frees its row first (step 1): r2 takes it at step 2, prefilled with r3 (at most max_batch_size a pass),
+    # which waits ahead; r4 waits for a prefill pass
+    assert seen["running"] == 2 and seen["admitting"] == 1 and seen["waiting"] == ["r4"]
+    assert sorted(seen["ids"]) == ["r1", "r2", "r3", "r4"]
+    assert "r3" not in got and not eng.cancel("r3")
+    for i in (0, 1, 2, 4):
+        assert got[f"r{i}"] == ar_greedy(target, (len(prompts[i]),), news[i])[0], f"request {i}"
+    assert first["r4"] > first["r2"]  # r4 joined only once a running row freed
+    assert not eng.has_work() and len(eng._free_rows()) == len(eng.slots) == 5
+
+
+def test_prefill_ahead_must_be_a_count(target):
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="prefill_ahead"):
+            DecodeEngine(target, None, max_batch_size=2, max_seq_len=32, prefill_ahead=bad)
 
 
 def test_side_prefill_is_off_unless_asked_for_and_needs_captured_graphs(target, monkeypatch):

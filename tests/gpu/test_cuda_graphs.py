@@ -233,10 +233,11 @@ def test_overlapped_rounds_match_one_round_at_a_time(temperature):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["one call at a time", "overlapped"])
-def test_prefills_on_the_side_stream_match_a_stopped_batch(overlap):
+def test_prefills_on_the_side_stream_or_ahead_match_a_stopped_batch(overlap):
     """DecodeEngine(side_prefill=True) on a second CUDA stream: admissions' prefills (graphs of their own pool,
     captured on a stream of their own) run while the other rows decode; lookup, draft and plain rows, greedy and
-    seeded sampled, give the same tokens as with every admission stopping the batch."""
+    seeded sampled, give the same tokens as with every admission stopping the batch. So do requests prefilled in
+    groups ahead of a free row (prefill_ahead), in fewer prefill passes, never more than max_batch_size running."""
     from engine.lookup import LookupDraft
     from engine.requests import Request
 
@@ -246,10 +247,10 @@ def test_prefills_on_the_side_stream_match_a_stopped_batch(overlap):
     lengths = (5, 170, 2, 300, 9, 120, 7, 210, 3, 140, 60, 11)
     news = (4, 30, 9, 25, 3, 18, 22, 6, 15, 11, 1, 20)
     names = ["lookup", "d", None, "lookup"]
-    outs, beside = {}, {}
-    for side in (False, True):
+    outs, beside, passes = {}, {}, {}
+    for side, ahead in ((False, 0), (True, 0), (False, 3)):
         eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=512, spec=SpecConfig(5, 5), overlap=overlap,
-                           side_prefill=side)
+                           side_prefill=side, prefill_ahead=ahead)
         eng.add_draft("lookup", LookupDraft())
         eng.add_draft("d", draft)
         assert (eng._side_stream is not None) == side
@@ -264,14 +265,16 @@ def test_prefills_on_the_side_stream_match_a_stopped_batch(overlap):
         while eng.has_work():
             for out in eng.step():
                 got[out.request_id].extend(out.token_ids)
+            assert eng.num_running <= eng.max_batch_size
         eng.settle()
-        outs[side] = got
-        beside[side] = sum(n > 0 for n in launched)
+        outs[side, ahead] = got
+        beside[side, ahead], passes[side, ahead] = sum(n > 0 for n in launched), len(launched)
         assert not eng.has_work() and all(len(got[f"r{i}"]) == n for i, n in enumerate(news))
         assert any(k[0] == "prefill" for k in eng.graphs.graphs)
         assert all(("side" in k) == side for k in eng.graphs.graphs if k[0] == "prefill")
-    assert outs[True] == outs[False]
-    assert beside[True] >= 4  # admitted while other rows ran
+    assert outs[True, 0] == outs[False, 0] == outs[False, 3]
+    assert beside[True, 0] >= 4  # admitted while other rows ran
+    assert passes[False, 3] < passes[False, 0], passes
 
 
 def test_graph_kernels_counts_a_graphs_kernel_nodes():
