@@ -70,13 +70,22 @@ class AppArgs(BaseModel):
                           "and then (engine DecodeEngine.set_alternatives). Lookup wins where replies repeat their "
                           "prompt or themselves (long documents, code edits), the drafts elsewhere. Same tokens either "
                           "way. No effect without the governor, or on a domain whose version is 'lookup'.")
-    prefill_ahead: int = Field(
-        0, ge=0, le=256, description="Cache rows beyond max_batch_size for requests prefilled ahead of a free running "
-                                     "row: the first row that frees with none prefilled prefills a group of up to "
-                                     "prefill_ahead + 1 waiting requests in one pass (at most max_batch_size); the "
-                                     "rest take the next rows that free without a pass of their own "
-                                     "(engine DecodeEngine(prefill_ahead=...)). Same tokens; costs their cache "
-                                     "memory. 0: admit into free running rows only.")
+    prefill_ahead: int | None = Field(
+        None, ge=0, le=256, description="Cache rows beyond max_batch_size for requests prefilled ahead of a free running "
+                                        "row: the first row that frees with none prefilled prefills a group of up to "
+                                        "prefill_ahead + 1 waiting requests in one pass (at most max_batch_size); the "
+                                        "rest take the next rows that free without a pass of their own "
+                                        "(engine DecodeEngine(prefill_ahead=...)). Same tokens; costs their cache "
+                                        "memory (about 48 MB a row for the default model at 2,048 tokens). null: "
+                                        "max_batch_size - 1 on CUDA (bs 8 on an H100: +3.5-4.7 % for the service, "
+                                        "bench/RESULTS.md run 45), 0 on the CPU; 0: admit into free running rows only.")
+
+    def engine_prefill_ahead(self) -> int:
+        """The engine's prefill_ahead: as set, else max_batch_size - 1 on CUDA and 0 on the CPU."""
+        if self.prefill_ahead is not None:
+            return self.prefill_ahead
+        return self.max_batch_size - 1 if self.device.startswith("cuda") else 0
+
     overlap: bool = Field(
         True, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "
                           "speculative round) from the last one's outcome on the device before the host reads it, so "

@@ -97,7 +97,7 @@ class GeneratorCore:
                                   max_seq_len=self.args.max_seq_len, spec=spec,
                                   governor=SpeculationGovernor(enabled=self.args.governor),
                                   gamma=GammaController(spec.num_speculative_tokens, enabled=self.args.adaptive_gamma),
-                                  overlap=self.args.overlap, prefill_ahead=self.args.prefill_ahead)
+                                  overlap=self.args.overlap, prefill_ahead=self.args.engine_prefill_ahead())
             if self.args.governor:
                 if self.args.lookup_alternative:  # each trained draft's alternative (`activate`)
                     engine.add_draft(LOOKUP, LookupDraft())

@@ -555,22 +555,25 @@ def test_side_prefill_rows_run_lookup_and_the_service_with_prefills_beside_the_r
 
 
 def test_prefill_ahead_rows_run_lookup_and_the_service_with_rows_prefilled_ahead(tiny_target):
-    """--prefill-ahead 3,7: lookup at the largest gamma overlapped and the service's setting again at each count of
-    rows prefilled ahead (DecodeEngine(prefill_ahead=k)); the other rows keep the default (none)."""
+    """--prefill-ahead 0,7: lookup at the largest gamma overlapped and the service's setting again at each count of
+    rows prefilled ahead (DecodeEngine(prefill_ahead=k)). The service's setting holds bs - 1 by default, as the
+    service does on CUDA (AppArgs.engine_prefill_ahead); lookup alone keeps the engine's default (none)."""
     from bench.gpu import lookup_rows
+    from services.config import AppArgs
 
-    bench = bench_on(tiny_target, lookup=(3,), prefill_ahead=(3, 7))
-    workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 1)
+    bench = bench_on(tiny_target, lookup=(3,), prefill_ahead=(0, 7))
+    workload = ([[5, 6, 7, 5, 6, 7, 5, 6]], ["code"], 8, True, 4)
     best = {"code": tiny_draft(tiny_target)}
     rows = dict(lookup_rows(bench, workload, None, "", best))
     base = "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped"
     ahead = [name for name in rows if "prefilled ahead" in name]
-    assert ahead == [f"{row}, {k} rows prefilled ahead" for k in (3, 7)
+    assert ahead == [f"{row}, {k} rows prefilled ahead" for k in (0, 7)
                      for row in ("FlashSpec lookup, gamma 3, overlapped", base)]
     built = [rows[name]() for name in ahead]
     assert [(r.eng.prefill_ahead, len(r.eng.slots), r.eng.overlap) for r in built] == [
-        (3, 4, True), (3, 4, True), (7, 8, True), (7, 8, True)]
-    assert rows[base]().eng.prefill_ahead == 0
+        (0, 4, True), (0, 4, True), (7, 11, True), (7, 11, True)]
+    assert rows[base]().eng.prefill_ahead == 3 == AppArgs(device="cuda", max_batch_size=4).engine_prefill_ahead()
+    assert rows["FlashSpec lookup, gamma 3, overlapped"]().eng.prefill_ahead == 0
     bench.args.prefill_ahead = ()
     assert not any("ahead" in name for name in lookup_rows(bench, workload, None, "", best))
 

@@ -48,3 +48,24 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
         assert "lookup" not in off.loop.engine.drafts and off.loop.engine.alternatives == {}
     finally:
         off.loop.stop()
+
+
+def test_rows_prefilled_ahead_default_to_the_batch_less_one_on_cuda_and_reach_the_engine(app_args):
+    """prefill_ahead: null means max_batch_size - 1 on CUDA (where it paid, bench/RESULTS.md run 45) and 0 on the CPU;
+    a set value is taken as is, and the replica's engine holds that many rows beyond the batch."""
+    import pytest
+    from pydantic import ValidationError
+
+    assert AppArgs(device="cuda", max_batch_size=8).engine_prefill_ahead() == 7
+    assert AppArgs(device="cuda:1", max_batch_size=1).engine_prefill_ahead() == 0
+    assert AppArgs(device="cuda", prefill_ahead=2).engine_prefill_ahead() == 2
+    assert AppArgs(device="cpu").engine_prefill_ahead() == 0
+    with pytest.raises(ValidationError, match="prefill_ahead"):
+        AppArgs(prefill_ahead=-1)
+    core = GeneratorCore(AppArgs.model_validate({**app_args, "max_batch_size": 2, "prefill_ahead": 3}), registry=None)
+    try:
+        eng = core.loop.engine
+        assert eng.prefill_ahead == 3 and len(eng.slots) == 5
+        assert _complete(core, None, "plain")[0]
+    finally:
+        core.loop.stop()
