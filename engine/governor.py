@@ -33,11 +33,26 @@ request running alone moves from its draft to lookup where the replay over its o
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 import threading
 import time
 from collections.abc import Sequence
+
+# A cost sample (a plain call's, a round's) taking more than OUTLIER_FACTOR times the median of the last
+# OUTLIER_WINDOW samples of its estimate is left out of it (`_Rate(robust=True)`): a garbage-collection pause or a
+# graph's first replay (its upload) in one of the few samples an estimate starts from would otherwise price it for
+# hundreds of rounds. On an H100 (bench/RESULTS.md run 45) one such sample among the 8 lookup rounds calibrating bs 8
+# priced a row's round at 0.69 ms against the 0.15 ms it cost, and the batch never moved to lookup (1.11x against
+# 1.9-2.0x). A round's time varies little with what it accepts (its tokens vary: the filter looks at seconds, not
+# seconds a token) and with the gamma it drafts (about 2x from gamma 1 to 5). A lasting change (longer contexts, other
+# traffic) is taken once it is most of the window. The first OUTLIER_MIN samples are not judged; until the window
+# is full the estimate is recomputed over it, so a slow first sample is left out too once there are enough.
+OUTLIER_FACTOR = 4.0
+OUTLIER_WINDOW = 16
+OUTLIER_MIN = 4
 
 
 @dataclasses.dataclass
@@ -54,9 +69,35 @@ class _Rate:
     seconds_sq: float = 0.0
     tokens_sq: float = 0.0
     product: float = 0.0
-    count: int = 0
+    count: int = 0  # samples in the estimate
+    robust: bool = False  # leave out samples far slower than the recent ones (OUTLIER_FACTOR)
+    recent: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OUTLIER_WINDOW))
+    samples: int = 0  # samples seen (robust), those left out included
+    dropped: int = 0  # samples left out (robust)
 
     def update(self, seconds: float, tokens: int, alpha: float) -> None:
+        if not self.robust:
+            self._add(seconds, tokens, alpha)
+            return
+        self.recent.append((seconds, tokens))
+        self.samples += 1
+        if self.samples <= OUTLIER_WINDOW:  # every sample so far is at hand: the estimate over those kept
+            limit = (OUTLIER_FACTOR * statistics.median(s for s, _ in self.recent) if self.samples >= OUTLIER_MIN
+                     else math.inf)
+            self.seconds = self.tokens = self.seconds_sq = self.tokens_sq = self.product = 0.0
+            self.count = self.dropped = 0
+            for s, t in self.recent:
+                if s > limit:
+                    self.dropped += 1
+                else:
+                    self._add(s, t, alpha)
+            return
+        if seconds > OUTLIER_FACTOR * statistics.median(s for s, _ in self.recent):
+            self.dropped += 1
+            return
+        self._add(seconds, tokens, alpha)
+
+    def _add(self, seconds: float, tokens: int, alpha: float) -> None:
         self.count += 1
         a = max(alpha, 1.0 / self.count)
         self.seconds += a * (seconds - self.seconds)
@@ -179,12 +220,12 @@ class SpeculationGovernor:
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
         if tokens:
             with self._lock:
-                self._ar.setdefault(batch_bucket(rows), _Rate()).update(seconds, tokens, self.alpha)
+                self._ar.setdefault(batch_bucket(rows), _Rate(robust=True)).update(seconds, tokens, self.alpha)
 
     def observe_spec(self, draft: str, rows: int, seconds: float, tokens: int) -> None:
         if tokens:
             with self._lock:
-                self._spec.setdefault((draft, batch_bucket(rows)), _Rate()).update(seconds, tokens, self.alpha)
+                self._spec.setdefault((draft, batch_bucket(rows)), _Rate(robust=True)).update(seconds, tokens, self.alpha)
                 self._last_spec[draft] = self._clock()
 
     def observe_pool(self, pool: str, rows: int, seconds: float, row_rounds: int) -> None:
@@ -192,7 +233,7 @@ class SpeculationGovernor:
         about `rows` running requests: what a row's round of that pool costs, whatever its text."""
         if row_rounds:
             with self._lock:
-                self._pool.setdefault((pool, batch_bucket(rows)), _Rate()).update(seconds, row_rounds, self.alpha)
+                self._pool.setdefault((pool, batch_bucket(rows)), _Rate(robust=True)).update(seconds, row_rounds, self.alpha)
 
     def observe_tokens(self, name: str, pool: str | None, tokens: Sequence[int]) -> None:
         """Tokens each of some rounds of `name` made for their row (a row makes the same tokens a round whatever
@@ -495,5 +536,6 @@ class SpeculationGovernor:
                 "pool_seconds_per_row_round": {f"{p}@{b}": e.value for (p, b), e in self._pool.items()},
                 "pooled_tokens_per_round": {d: e.value for d, e in self._row_tokens.items()},
                 "pooled_rounds": {d: e.count for d, e in self._row_tokens.items()},
+                "samples_left_out": sum(e.dropped for t in (self._ar, self._spec, self._pool) for e in t.values()),
                 "decisions": dict(self.decisions),
             }

@@ -702,3 +702,55 @@ def test_a_plain_request_returns_to_lookup_only_when_its_replayed_rounds_clearly
         with pytest.raises(ValueError, match="return_window"):
             SpeculationGovernor(return_window=bad)
     assert gov.decisions["returned"] == 2
+
+
+def test_a_cost_leaves_out_a_sample_far_slower_than_the_others_first_or_later():
+    """One sample taking 30 times the others (a garbage-collection pause, a graph's first replay) is left out of a
+    cost, whether it came first or among them; samples whose tokens differ are not judged by seconds a token; the
+    tokens a round (not a cost) keep every sample."""
+    from engine.governor import OUTLIER_FACTOR, _Rate
+
+    for at in (0, 3, 7, 20):
+        rate = _Rate(robust=True)
+        for i in range(24):
+            rate.update(0.036 if i == at else 0.0012, 8, 0.01)
+        assert rate.dropped == 1 and rate.count == 23, at
+        assert rate.value == pytest.approx(0.0012 / 8), at
+    tokens = _Rate(robust=True)  # a round's time hardly moves with what it accepts: 1 to 16 tokens, all kept
+    for i in range(40):
+        tokens.update(0.0012 * (1 + 0.5 * (i % 3)), 1 + i % 16, 0.01)
+    assert tokens.dropped == 0 and tokens.count == 40
+    plain = _Rate()  # not robust: every sample counts, as the tokens a round do
+    for i in range(8):
+        plain.update(0.036 if i == 0 else 0.0012, 8, 0.01)
+    assert plain.count == 8 and plain.value > 4 * 0.0012 / 8
+    assert OUTLIER_FACTOR > 2  # a gamma-5 round against a gamma-1 one is not an outlier
+
+
+def test_a_lasting_change_of_cost_is_taken_once_it_is_most_of_the_window():
+    """Costs that rise for good (five times) are left out only until they are most of the recent samples; then the
+    estimate follows them."""
+    from engine.governor import OUTLIER_WINDOW, _Rate
+
+    rate = _Rate(robust=True)
+    for _ in range(40):
+        rate.update(0.001, 1, 0.2)
+    for i in range(OUTLIER_WINDOW):
+        rate.update(0.005, 1, 0.2)
+    assert OUTLIER_WINDOW // 2 - 1 <= rate.dropped <= OUTLIER_WINDOW // 2 + 1
+    assert rate.value > 0.004  # alpha 0.2: the later samples dominate
+
+
+def test_one_slow_calibration_round_does_not_keep_a_batch_from_lookup():
+    """Lookup rounds calibrate bs 8; one of them took 35 ms (the rest 1.2 ms, 0.15 ms a row's round). Priced from
+    all of eight a row's round cost 0.69 ms and the batch never moved (bench/RESULTS.md run 45); with the slow round
+    left out it is priced at 0.15 ms and the batch moves."""
+    gov = SpeculationGovernor(min_samples=8)
+    for _ in range(16):
+        gov.observe_ar(8, 0.0001 * 8 * 4, 8 * 4)  # a 4-step plain call of 8 rows: 0.1 ms a token
+    for i in range(9):  # calibration runs rounds until min_samples are kept (`DecodeEngine.calibrate`)
+        gov.observe_pool("lookup", 8, 0.035 if i == 2 else 0.0012, 8)
+    gov.observe_tokens("code/lookup", "lookup", [3] * 16)
+    assert gov.pool_samples("lookup", 8) == 8 and gov.snapshot()["samples_left_out"] == 1
+    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == pytest.approx(0.00015)
+    assert gov.batch_moves("lookup", ["code/lookup"] * 8, [None] * 8)
