@@ -259,8 +259,9 @@ class DecodeEngine:
                              f"between its trunk ({draft.shared_layers} layers) and the target's {self.model.args.num_layers}")
         need = draft.adapter_layers
         if self.draft_cache is None or self.draft_cache.num_layers < need:
+            held = [*self.slots, *(s for a in self._admitting for s in a.states)]  # running, and prefilled to join
             if self.draft_cache is not None and any(s is not None and s.draft is not None and not is_lookup(s.draft)
-                                                    for s in self.slots):
+                                                    for s in held):
                 raise ValueError(f"draft {name!r} needs {need} adapter layers, more than the running drafts' cache holds; "
                                  "load it while no speculative request runs")
             self.draft_cache = self._new_draft_cache(need)

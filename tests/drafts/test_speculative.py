@@ -946,6 +946,26 @@ def test_a_request_cancelled_while_prefilled_ahead_frees_its_row_and_the_others_
     assert not eng.has_work() and len(eng._free_rows()) == len(eng.slots) == 5
 
 
+def test_a_draft_needing_a_larger_cache_is_refused_while_a_request_waits_prefilled_on_a_draft(target):
+    """A draft with more adapter layers than the draft cache holds replaces that cache, so it is refused while a
+    speculative request holds it: running, or prefilled ahead and waiting for a row (its draft's KV is in the cache)."""
+    eng = DecodeEngine(target, None, max_batch_size=2, max_seq_len=128, spec=SpecConfig(3, 3), prefill_ahead=2)
+    eng.add_draft("a", random_draft(target, adapter_layers=1))
+    prompts = prompts_for(target.args.vocab_size, (5, 7, 6, 9))
+    for i, (news, draft) in enumerate(((2, None), (30, None), (30, None), (5, "a"))):
+        eng.add_request(Request(f"r{i}", prompts[i], SamplingParams(max_new_tokens=news, eos_token_ids=()), draft))
+    while not eng._admitting:  # r0 finishes; r2 takes its row, r3 (on draft "a") waits prefilled
+        eng.step()
+    assert [s.request.request_id for a in eng._admitting for s in a.states] == ["r3"]
+    assert all(s is None or s.draft is None for s in eng.slots)  # the running rows decode plainly
+    with pytest.raises(ValueError, match="no speculative request runs"):
+        eng.add_draft("b", random_draft(target, adapter_layers=2))
+    while eng.has_work():
+        eng.step()
+    eng.add_draft("b", random_draft(target, adapter_layers=2))
+    assert eng.draft_cache.num_layers == 2
+
+
 def test_prefill_ahead_must_be_a_count(target):
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="prefill_ahead"):
