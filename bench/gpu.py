@@ -33,7 +33,7 @@ service's setting again with each admission's prefill on a second stream beside 
 (`DecodeEngine(side_prefill=True)`);
 `--prefill-ahead 7` adds overlapped plain decoding, lookup at the largest gamma overlapped and the service's setting
 again with 7 cache rows for requests prefilled ahead of a free running row, a group a prefill pass
-(`DecodeEngine(prefill_ahead=7)`; the service's setting holds bs - 1 rows by default, as the service does on CUDA:
+(`DecodeEngine(prefill_ahead=7)`; the service's setting holds the service's default on CUDA, bs - 1 rows up to 7:
 `--prefill-ahead 0` adds it without);
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
@@ -871,8 +871,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
 
     def service(label: str = "", after: str = "", alternative=True, engine_kw: dict | None = None, **kw) -> tuple:
         """The service's setting: the best drafts with the lookup drafter (`alternative`) as each one's alternative,
-        and as on CUDA bs - 1 rows for requests prefilled ahead (`AppArgs.engine_prefill_ahead`)."""
-        engine_kw = {"prefill_ahead": workload[4] - 1, **(engine_kw or {})}
+        and its rows for requests prefilled ahead on CUDA (`AppArgs.engine_prefill_ahead`)."""
+        from services.config import AppArgs
+
+        ahead = AppArgs(device="cuda", max_batch_size=workload[4]).engine_prefill_ahead()
+        engine_kw = {"prefill_ahead": ahead, **(engine_kw or {})}
         return (f"FlashSpec best drafts or lookup (governor's choice), {label}adaptive gamma, governor, overlapped"
                 f"{after}{suffix}",
                 lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,
@@ -1193,8 +1196,8 @@ def main() -> None:
                         help="also overlapped plain decoding (fused) and, with --lookup, lookup at the largest gamma "
                              "overlapped and the service's setting with this many cache rows for requests prefilled "
                              "ahead of a free running row, a group a pass (DecodeEngine(prefill_ahead=K)), side by "
-                             "side; e.g. 7, or 0 for the service's setting without (it holds bs - 1 by default, as "
-                             "the service does on CUDA)")
+                             "side; e.g. 7, or 0 for the service's setting without (it holds the service's default "
+                             "on CUDA: bs - 1, at most 7)")
     parser.add_argument("--plain-timing", choices=("read", "step"), default="read",
                         help="with --lookup, step: also lookup under the governor and the service's setting with an "
                              "overlapped plain call priced from its step's start, as before "

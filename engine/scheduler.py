@@ -148,7 +148,7 @@ class DecodeEngine:
         that frees with no prefilled request to take it prefills a group of up to k + 1 waiting requests
         (at most max_batch_size) in one pass: one takes the row, the others wait prefilled, first token
         sampled, and take the next rows that free without a pass of their own. No request waits longer for
-        its row than without; the rows cost cache memory (`memory_report`). 0 (the default): admit into free
+        a row than without (the first of a group waits for the group's pass); the rows cost cache memory (`memory_report`). 0 (the default): admit into free
         running rows only."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
@@ -880,10 +880,10 @@ class DecodeEngine:
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool) -> bool:
         """Whether to launch the batch's next call before reading the one in flight: overlap is on, the batch is
         every running row, all speculating or all plain as `speculating` says (no request waits for a free row,
-        no admission's rows wait to join: `_admit_beside` launches their prefill beside the chain), and every row
-        still wants the `span` tokens of both calls and has the context for them, so the next call is exactly what
-        the next step would have run (only a stop token or string met meanwhile can make its work for a row
-        unwanted)."""
+        no admission's rows wait to join a free row: `_admit_beside` launches their prefill beside the chain; rows
+        prefilled ahead wait while every running row is taken), and every row still wants the `span` tokens of
+        both calls and has the context for them, so the next call is exactly what the next step would have run
+        (only a stop token or string met meanwhile can make its work for a row unwanted)."""
         if not (self.overlap and self.graphs.enabled) or self.num_running != len(batch):
             return False
         room = self.max_batch_size - self.num_running  # running rows free

@@ -10,6 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 Domain = Literal["code", "general", "dialog"]
 DEPLOYMENTS = ("Ingress", "Router", "Generator")
+# Rows prefilled ahead by default on CUDA (`AppArgs.engine_prefill_ahead`): groups of up to eight, the setting measured
+# (bench/RESULTS.md run 45); a larger batch keeps its extra cache to that.
+DEFAULT_PREFILL_AHEAD = 7
 
 
 class AppArgs(BaseModel):
@@ -77,14 +80,16 @@ class AppArgs(BaseModel):
                                         "rest take the next rows that free without a pass of their own "
                                         "(engine DecodeEngine(prefill_ahead=...)). Same tokens; costs their cache "
                                         "memory (about 48 MB a row for the default model at 2,048 tokens). null: "
-                                        "max_batch_size - 1 on CUDA (bs 8 on an H100: +3.5-4.7 % for the service, "
-                                        "bench/RESULTS.md run 45), 0 on the CPU; 0: admit into free running rows only.")
+                                        "max_batch_size - 1 but at most 7 on CUDA (groups of up to eight; bs 8 on an "
+                                        "H100: +3.5-4.7 % for the service, bench/RESULTS.md run 45), 0 on the CPU; "
+                                        "0: admit into free running rows only.")
 
     def engine_prefill_ahead(self) -> int:
-        """The engine's prefill_ahead: as set, else max_batch_size - 1 on CUDA and 0 on the CPU."""
+        """The engine's prefill_ahead: as set, else max_batch_size - 1 up to DEFAULT_PREFILL_AHEAD on CUDA and 0 on the
+        CPU."""
         if self.prefill_ahead is not None:
             return self.prefill_ahead
-        return self.max_batch_size - 1 if self.device.startswith("cuda") else 0
+        return min(self.max_batch_size - 1, DEFAULT_PREFILL_AHEAD) if self.device.startswith("cuda") else 0
 
     overlap: bool = Field(
         True, description="With CUDA graphs: a batch launches its next graph call (plain decoding steps, or a one-graph "

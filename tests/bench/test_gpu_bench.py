@@ -556,8 +556,8 @@ def test_side_prefill_rows_run_lookup_and_the_service_with_prefills_beside_the_r
 
 def test_prefill_ahead_rows_run_lookup_and_the_service_with_rows_prefilled_ahead(tiny_target):
     """--prefill-ahead 0,7: lookup at the largest gamma overlapped and the service's setting again at each count of
-    rows prefilled ahead (DecodeEngine(prefill_ahead=k)). The service's setting holds bs - 1 by default, as the
-    service does on CUDA (AppArgs.engine_prefill_ahead); lookup alone keeps the engine's default (none)."""
+    rows prefilled ahead (DecodeEngine(prefill_ahead=k)). The service's setting holds the service's default on CUDA
+    (AppArgs.engine_prefill_ahead: bs - 1 here); lookup alone keeps the engine's default (none)."""
     from bench.gpu import lookup_rows
     from services.config import AppArgs
 

@@ -51,12 +51,15 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
 
 
 def test_rows_prefilled_ahead_default_to_the_batch_less_one_on_cuda_and_reach_the_engine(app_args):
-    """prefill_ahead: null means max_batch_size - 1 on CUDA (where it paid, bench/RESULTS.md run 45) and 0 on the CPU;
-    a set value is taken as is, and the replica's engine holds that many rows beyond the batch."""
+    """prefill_ahead: null means max_batch_size - 1, at most 7 (groups of up to eight, as measured), on CUDA (where it
+    paid, bench/RESULTS.md run 45) and 0 on the CPU; a set value is taken as is, and the replica's engine holds that
+    many rows beyond the batch."""
     import pytest
     from pydantic import ValidationError
 
     assert AppArgs(device="cuda", max_batch_size=8).engine_prefill_ahead() == 7
+    assert AppArgs(device="cuda", max_batch_size=4).engine_prefill_ahead() == 3
+    assert AppArgs(device="cuda", max_batch_size=32).engine_prefill_ahead() == 7
     assert AppArgs(device="cuda:1", max_batch_size=1).engine_prefill_ahead() == 0
     assert AppArgs(device="cuda", prefill_ahead=2).engine_prefill_ahead() == 2
     assert AppArgs(device="cpu").engine_prefill_ahead() == 0
