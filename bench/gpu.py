@@ -857,11 +857,13 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
     drafts), also the service's setting where each draft has the lookup drafter as an alternative and the governor
     picks per domain and batch size, from measured costs, which one a request runs."""
     from engine.lookup import DEFAULT_STREAK_GAMMAS, LookupDraft
+    from services.config import AppArgs
 
     gammas = getattr(bench.args, "lookup", ())
     if not gammas:
         return []
     top = max(gammas)
+    service_ahead = AppArgs(device="cuda", max_batch_size=workload[4]).engine_prefill_ahead()  # the service's default
 
     def alone(lookup: LookupDraft, gamma: int, label: str, **kw) -> tuple:
         """Every request names `lookup` (under its domain) at `gamma` at every batch size."""
@@ -871,11 +873,8 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
 
     def service(label: str = "", after: str = "", alternative=True, engine_kw: dict | None = None, **kw) -> tuple:
         """The service's setting: the best drafts with the lookup drafter (`alternative`) as each one's alternative,
-        and its rows for requests prefilled ahead on CUDA (`AppArgs.engine_prefill_ahead`)."""
-        from services.config import AppArgs
-
-        ahead = AppArgs(device="cuda", max_batch_size=workload[4]).engine_prefill_ahead()
-        engine_kw = {"prefill_ahead": ahead, **(engine_kw or {})}
+        and its rows for requests prefilled ahead on CUDA (`service_ahead`)."""
+        engine_kw = {"prefill_ahead": service_ahead, **(engine_kw or {})}
         return (f"FlashSpec best drafts or lookup (governor's choice), {label}adaptive gamma, governor, overlapped"
                 f"{after}{suffix}",
                 lambda: bench.engine_row(*workload, best, block=5, adaptive=True, governor=True, reference=ref,

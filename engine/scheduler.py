@@ -148,8 +148,8 @@ class DecodeEngine:
         that frees with no prefilled request to take it prefills a group of up to k + 1 waiting requests
         (at most max_batch_size) in one pass: one takes the row, the others wait prefilled, first token
         sampled, and take the next rows that free without a pass of their own. No request waits longer for
-        a row than without (the first of a group waits for the group's pass); the rows cost cache memory (`memory_report`). 0 (the default): admit into free
-        running rows only."""
+        a row than without (the first of a group waits for the group's pass); the rows cost cache memory
+        (`memory_report`). 0 (the default): admit into free running rows only."""
         if min_admit < 1:
             raise ValueError(f"min_admit must be >= 1, got {min_admit}")
         if not isinstance(prefill_ahead, int) or isinstance(prefill_ahead, bool) or prefill_ahead < 0:
@@ -985,7 +985,7 @@ class DecodeEngine:
             return
         if running and room < min(self.min_admit, len(self.waiting)):
             return  # wait until a larger group of rows is free (min_admit)
-        free = free[: min(len(free), len(self.waiting), self.max_batch_size)]
+        free = free[: min(len(self.waiting), self.max_batch_size)]
         batch: list[SlotState] = []
         rows = min(self.max_batch_size, running + len(free))  # the batch size these requests will run in
         while free and self.waiting:
