@@ -183,7 +183,8 @@ class SpeculationGovernor:
         (tests/engine/test_governor.py, test_noisy_rounds_keep_a_paying_draft_on).
         probe_every / probe_seconds: a draft that does not pay still speculates on every probe_every-th
         admission, and on the first admission after probe_seconds without a speculative round of it
-        (so its estimate follows the traffic when requests are few).
+        (so its estimate follows the traffic when requests are few); a batch held off lookup by a pool's price
+        that took no sample for probe_seconds moves to measure it afresh (`batch_moves`).
         return_window: the rounds a lone request's move to lookup is judged by, from plain decoding (`returns_to`,
         its replayed rounds) and from its draft (`prefers_alternative`, its own rounds and the replayed ones);
         REQUEST_WINDOW's at most, the replay keeps that many.
@@ -212,9 +213,16 @@ class SpeculationGovernor:
         self._pooled: dict[str, str] = {}
         self._pool: dict[tuple[str, int], _Rate] = {}
         self._row_tokens: dict[str, _Rate] = {}
+        # A pool's estimate per batch-size bucket: when it last took a sample, and the probes running (`batch_moves`):
+        # (pool, bucket) -> (when the probe started, whether its estimate has restarted from the probe's rounds yet).
+        self._started = clock()
+        self._pool_seen: dict[tuple[str, int], float] = {}
+        self._pool_probes: dict[tuple[str, int], tuple[float, bool]] = {}
         self._admissions: dict[str, int] = {}
-        # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain.
-        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0}
+        # What it decided: admissions that speculate / decode plainly, probes among them, rows turned plain, batches
+        # moved to a pool's drafter to measure it (`batch_moves`).
+        self.decisions = {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0,
+                          "batch_probes": 0}
         self._lock = threading.Lock()
 
     def observe_ar(self, rows: int, seconds: float, tokens: int) -> None:
@@ -233,7 +241,16 @@ class SpeculationGovernor:
         about `rows` running requests: what a row's round of that pool costs, whatever its text."""
         if row_rounds:
             with self._lock:
-                self._pool.setdefault((pool, batch_bucket(rows)), _Rate(robust=True)).update(seconds, row_rounds, self.alpha)
+                key = (pool, batch_bucket(rows))
+                probe = self._pool_probes.get(key)
+                if probe is not None and not probe[1]:  # a probe's first round: the estimate restarts from it
+                    self._pool[key] = _Rate(robust=True)
+                    self._pool_probes[key] = (probe[0], True)
+                rate = self._pool.setdefault(key, _Rate(robust=True))
+                rate.update(seconds, row_rounds, self.alpha)
+                self._pool_seen[key] = self._clock()
+                if probe is not None and rate.count >= self.min_samples:
+                    del self._pool_probes[key]  # measured afresh: the batch is judged on it from now on
 
     def observe_tokens(self, name: str, pool: str | None, tokens: Sequence[int]) -> None:
         """Tokens each of some rounds of `name` made for their row (a row makes the same tokens a round whatever
@@ -342,9 +359,25 @@ class SpeculationGovernor:
         the unit: a round is shared, so rows of two kinds cost the batch two passes a step, rows judged one by one
         never reach the batch of one kind that pays (run 34 at bs 8: lookup alone 1.5x plain decoding, the
         service's per-row choices 1.1x), and priced per domain the rows whose own lookup does not pay split the
-        batch (run 35: 0.55x)."""
+        batch (run 35: 0.55x).
+
+        A price nothing refreshes is probed: where a batch of rows all decoding plainly (or on lookup) stays off
+        lookup on a pool's estimate at this bucket that took no sample for `probe_seconds`, the batch moves anyway
+        and the estimate restarts from the next `min_samples` all-lookup rounds at this bucket, during which the
+        batch counts as paying (its rows are not dropped one by one); then the fresh estimate decides, as
+        `choose` probes a draft that does not pay. Only a batch that no row's draft would leave for good: a row on
+        a draft cannot go back to it. Without it, one wrong price (a slow calibration round, run 45; costs that
+        moved with the contexts) holds every batch of that size on plain decoding, since only all-lookup rounds
+        measure it."""
         with self._lock:
             bucket = batch_bucket(len(names))
+            key = (pool, bucket)
+            now = self._clock()
+            probe = self._pool_probes.get(key)
+            if probe is not None:
+                if now - probe[0] <= self.probe_seconds:
+                    return True  # measuring: the batch stays until the estimate has restarted
+                del self._pool_probes[key]  # no batch of this size ran it meanwhile: judged as before
             ar = self._cost(self._ar, lambda b: b, bucket)
             row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
             tokens = [self._row_tokens.get(name) for name in names]
@@ -352,6 +385,11 @@ class SpeculationGovernor:
                 return False
             cost = row_round[0] * len(names) / sum(t.value for t in tokens)
             if cost * (1 + self.error_weight * math.hypot(row_round[1], ar[1])) >= ar[0]:
+                if (all(r is None for r in running)
+                        and now - self._pool_seen.get(key, self._started) > self.probe_seconds):
+                    self._pool_probes[key] = (now, False)
+                    self.decisions["batch_probes"] += 1
+                    return True
                 return False
             for name in {r for r in running if r is not None}:
                 now = self._spec_cost(name, bucket)

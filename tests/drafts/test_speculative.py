@@ -1603,6 +1603,48 @@ def test_plain_rows_replays_price_lookup_so_a_batch_moves_once_its_text_repeats(
         assert gov.decisions["plain"] == 3 and gov.decisions["switched"] == 0 and all(o.draft is None for o in outs)
 
 
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", True)])
+def test_a_batch_held_plain_by_a_stale_lookup_price_probes_lookup_and_stays_on_the_fresh_price(tiny, graphs, overlap):
+    """A batch of greedy requests decoding plainly, lookup's rounds at 3-4 rows priced dear (6 ms a row's round, say
+    from one slow calibration) while its replays say it makes several tokens a round: only all-lookup rounds would
+    measure the price, so nothing corrects it. Once it is `probe_seconds` old, the batch moves to lookup to measure
+    it; the probe's rounds (0.4 ms a row's round here) restart the estimate and the batch stays on lookup, with plain
+    decoding's tokens. With probes out of reach the batch stays plain to the end."""
+    from engine.governor import SpeculationGovernor
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[2, 6, 1, 7], [1, 2, 3, 4, 5], [3, 3, 5, 0, 1, 4]]
+    greedy = SamplingParams(max_new_tokens=60, eos_token_ids=())
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, greedy)]
+
+    def run(probe_seconds: float):
+        now = [0.0]
+        gov = SpeculationGovernor(min_samples=2, probe_every=1000, probe_seconds=probe_seconds, clock=lambda: now[0])
+        for _ in range(16):
+            gov.observe_ar(4, 0.004, 4)  # plain decoding at 3-4 rows: 1 ms a token
+            gov.observe_spec("d", 4, 0.012, 4)  # the draft: 3 ms a token
+            gov.observe_spec("d/lookup", 4, 0.012, 4)  # lookup's own first rounds: 3 ms a token
+            gov.observe_pool("lookup", 4, 0.024, 4)  # a lookup row's round priced at 6 ms
+        gov.observe_tokens("d/lookup", None, [1] * 16)  # its first rounds made 1 token each; the replays tell more
+        gov.observe_ar = gov.observe_spec = lambda *args: None  # this CPU's timings aside
+        pool, moves = gov.observe_pool, gov.batch_moves
+        gov.observe_pool = lambda name, rows, seconds, n: pool(name, rows, 0.0004 * n, n)  # what a round costs
+        gov.batch_moves = lambda *args: (now.__setitem__(0, now[0] + 1.0), moves(*args))[1]  # a second a step
+
+        eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
+        eng.set_alternatives("d", ["lookup"])
+        outs = generate(eng, prompts, greedy, "d")
+        assert [o.token_ids for o in outs] == want
+        return gov, outs
+
+    gov, outs = run(30.0)
+    assert gov.decisions["plain"] == 3 and gov.decisions["batch_probes"] == 1 and gov.decisions["switched"] == 3
+    assert all(o.draft == "d/lookup" for o in outs) and all(o.stats.rounds for o in outs)
+    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@4"] == pytest.approx(0.0004)  # restarted
+    gov, outs = run(1e9)
+    assert gov.decisions["batch_probes"] == 0 and gov.decisions["switched"] == 0 and all(o.draft is None for o in outs)
+
+
 def test_warm_up_covers_lookup_rounds_and_a_seeded_sampled_request_repeats_its_tokens(target):
     params = SamplingParams(max_new_tokens=12, eos_token_ids=(), temperature=0.8, seed=4)
     got = [generate(_lookup_engine(target, g), prompts_for(target.args.vocab_size, (9,)), params, "lookup")[0]

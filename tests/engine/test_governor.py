@@ -30,7 +30,8 @@ def test_slow_draft_is_turned_off_except_probes():
     feed(gov, "code", ar_cost=0.010, spec_cost=0.020)
     assert not gov.keep_speculating("code", 1)
     assert [gov.allow("code") for _ in range(4)] == [False, False, False, True]
-    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1, "switched": 0, "returned": 0}
+    assert gov.snapshot()["decisions"] == {"speculate": 1, "plain": 3, "probes": 1, "dropped": 1, "switched": 0, "returned": 0,
+                                         "batch_probes": 0}
 
 
 def test_a_draft_off_for_a_while_is_probed_again_and_can_come_back():
@@ -246,7 +247,8 @@ def test_snapshot_reports_costs_and_sample_counts():
     gov.observe_spec("code", 8, 0.02, 10)
     snap = gov.snapshot()
     assert snap["ar_samples"] == {1: 3} and snap["spec_samples"] == {"code@8": 1}
-    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0}
+    assert snap["decisions"] == {"speculate": 0, "plain": 0, "probes": 0, "dropped": 0, "switched": 0, "returned": 0,
+                                 "batch_probes": 0}
     assert snap["ar_seconds_per_token"][1] == 0.01 and abs(snap["spec_seconds_per_token"]["code@8"] - 0.002) < 1e-12
 
 
@@ -754,3 +756,67 @@ def test_one_slow_calibration_round_does_not_keep_a_batch_from_lookup():
     assert gov.pool_samples("lookup", 8) == 8 and gov.snapshot()["samples_left_out"] == 1
     assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == pytest.approx(0.00015)
     assert gov.batch_moves("lookup", ["code/lookup"] * 8, [None] * 8)
+
+
+def test_a_batch_held_off_lookup_by_a_stale_price_probes_it_and_moves_on_the_fresh_one():
+    """A batch of 8 plain rows stays off lookup priced at 0.6 ms a row's round (a wrong price: the rounds cost 0.15
+    ms, but only all-lookup rounds would measure it). Once that price is probe_seconds old the batch moves anyway;
+    the estimate restarts from the probe's rounds, during which the batch counts as paying, and the fresh price
+    keeps it there. Where the fresh price confirms lookup dear, the batch is judged off it again, and not probed
+    again until its estimate is stale once more."""
+    now = [0.0]
+    gov = SpeculationGovernor(min_samples=8, probe_seconds=30.0, clock=lambda: now[0])
+    for _ in range(16):
+        gov.observe_ar(8, 0.0001 * 32, 32)  # plain decoding at 8 rows: 0.1 ms a token
+        gov.observe_pool("lookup", 8, 0.0048, 8)  # priced at 0.6 ms a row's round: 0.2 ms a token at 3 a round
+    gov.observe_tokens("code/lookup", "lookup", [3] * 16)
+    names, plain = ["code/lookup"] * 8, [None] * 8
+    assert not gov.batch_moves("lookup", names, plain)
+    now[0] = 29.0
+    assert not gov.batch_moves("lookup", names, plain)  # not stale yet
+    now[0] = 31.0
+    assert not gov.batch_moves("lookup", names, ["code"] + [None] * 7)  # a row on a draft would leave it for good
+    assert gov.batch_moves("lookup", names, plain) and gov.decisions["batch_probes"] == 1  # the probe
+    for i in range(7):
+        gov.observe_pool("lookup", 8, 0.0012, 8)  # the probe's rounds: 0.15 ms a row's round
+        assert gov.batch_moves("lookup", names, []), i  # measuring: the batch stays, whatever the price says
+    gov.observe_pool("lookup", 8, 0.0012, 8)
+    assert gov.pool_samples("lookup", 8) == 8  # restarted: the old samples are gone
+    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == pytest.approx(0.00015)
+    assert gov.batch_moves("lookup", names, plain) and gov.decisions["batch_probes"] == 1  # on the price now
+
+    dear = SpeculationGovernor(min_samples=8, probe_seconds=30.0, clock=lambda: now[0])
+    now[0] = 0.0
+    for _ in range(16):
+        dear.observe_ar(8, 0.0001 * 32, 32)
+        dear.observe_pool("lookup", 8, 0.0048, 8)
+    dear.observe_tokens("code/lookup", "lookup", [3] * 16)
+    now[0] = 40.0
+    assert dear.batch_moves("lookup", names, plain)
+    for _ in range(8):
+        dear.observe_pool("lookup", 8, 0.0048, 8)  # the price was right
+    assert not dear.batch_moves("lookup", names, []) and not dear.batch_moves("lookup", names, plain)
+    now[0] = 60.0
+    assert not dear.batch_moves("lookup", names, plain)  # measured at 40: not stale again before 70
+    now[0] = 71.0
+    assert dear.batch_moves("lookup", names, plain) and dear.decisions["batch_probes"] == 2
+
+
+def test_a_batch_probe_that_no_batch_runs_ends_after_probe_seconds():
+    """A probe whose batch never runs an all-lookup round at its size (its rows finished, say) ends after
+    probe_seconds; the batch is judged on the old price again, and the next probe waits for the price to be stale."""
+    now = [0.0]
+    gov = SpeculationGovernor(min_samples=8, probe_seconds=30.0, clock=lambda: now[0])
+    for _ in range(16):
+        gov.observe_ar(8, 0.0001 * 32, 32)
+        gov.observe_pool("lookup", 8, 0.0048, 8)
+    gov.observe_tokens("code/lookup", "lookup", [3] * 16)
+    names = ["code/lookup"] * 8
+    now[0] = 31.0
+    assert gov.batch_moves("lookup", names, [None] * 8)
+    now[0] = 60.0
+    assert gov.batch_moves("lookup", names, [None] * 8)  # still measuring
+    gov.observe_pool("lookup", 4, 0.0024, 4)  # another bucket's round does not end it
+    now[0] = 62.0
+    assert gov.batch_moves("lookup", names, [None] * 8) and gov.decisions["batch_probes"] == 2  # ended; stale: anew
+    assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == pytest.approx(0.0006)  # never restarted
