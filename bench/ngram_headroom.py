@@ -6,6 +6,7 @@ target's greedy replies, alone and beside the domain's draft.
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --rules 5,8   # the rule's variants
     python -m bench.ngram_headroom --domain code --rules 5,8 --rules-max-n 3,6   # the longest n looked up
     python -m bench.ngram_headroom --domain code --prompts 8 --tokens 256 --streaks 8:15  # a streak's gamma
+    python -m bench.ngram_headroom --domain code --rules 5,10 --candidates 1,2,3   # k proposals a round, verified
 
 Prompt lookup (n-gram) drafting proposes, after the request's last n tokens, the tokens that followed the
 most recent earlier occurrence of those n tokens in the prompt or the reply so far (n = max_n down to
@@ -53,6 +54,38 @@ def ngram_lookup(tokens: list[int], gamma: int, max_n: int = DEFAULT_MAX_N, min_
             if tokens[start:start + n] == suffix:
                 return continuation(tokens, start + n, length, gamma, repeat)
     return []
+
+
+def ngram_candidates(tokens: list[int], gamma: int, k: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1) -> list[list[int]]:
+    """Up to k distinct proposals of gamma tokens (the engine's rule, repeating): what followed the earlier
+    occurrences of the last n tokens, the longest n first and, for each n, the most recent occurrence first;
+    `ngram_lookup`'s proposal is the first. A round verifying them all (a tree of k branches: 1 + k * gamma tokens
+    a row) keeps the one the reply matches furthest."""
+    length, found = len(tokens), []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                proposal = continuation(tokens, start + n, length, gamma)
+                if proposal not in found:
+                    found.append(proposal)
+                    if len(found) == k:
+                        return found
+    return found
+
+
+def candidate_rounds(sequences: list[list[int]], starts: list[int], gamma: int, k: int, max_n: int = DEFAULT_MAX_N) -> float:
+    """Tokens a round where every round verifies `ngram_candidates`' k proposals and keeps the best (a round with
+    none makes one token): `lookup_rounds` of the engine's rule at k = 1."""
+    rounds = made = 0
+    for seq, start in zip(sequences, starts):
+        t = start
+        while t < len(seq) - 1:
+            step = max((verified_step(p, seq, t) for p in ngram_candidates(seq[: t + 1], gamma, k, max_n)), default=1)
+            rounds += 1
+            made += step
+            t += step
+    return made / max(rounds, 1)
 
 
 def play_lookup(sequences: list[list[int]], starts: list[int], lookup: Callable[[list[int]], list[int]]) -> dict:
@@ -196,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rules-max-n", default=(), type=lambda v: tuple(int(n) for n in v.split(",") if n),
                         help="with --rules: also the engine's rule (n down to 1, repeat) with the longest n at each of "
                              "these, on the same replies, e.g. 3,4,6,8")
+    parser.add_argument("--candidates", default=(), type=lambda v: tuple(int(k) for k in v.split(",") if k),
+                        help="with --rules: also rounds verifying K proposals (the K most recent distinct matches, the "
+                             "longest n first; 1 + K x gamma tokens a row) and keeping the best, e.g. 2,3")
     parser.add_argument("--streaks", default=(), type=streak_pairs,
                         help="only a lone lookup row's rounds at GAMMA and at STREAK after a round that accepted "
                              "everything (LookupDraft.streak_gammas), e.g. 8:15, beside each gamma throughout")
@@ -214,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-token-ms", type=float, default=0.174,
                         help="a drafted token of the shipped drafts (H200 run 31: a gamma-5 round 1.661 ms less the verify pass, / 5)")
     args = parser.parse_args(argv)
+    if any(k < 1 for k in args.candidates) or (args.candidates and not args.rules):
+        raise SystemExit(f"--candidates {','.join(map(str, args.candidates))}: give K >= 1 with --rules, e.g. "
+                         "--rules 5,10 --candidates 1,2")
     if any(n < 1 for n in args.rules_max_n):
         raise SystemExit(f"--rules-max-n {','.join(map(str, args.rules_max_n))}: give n >= 1, e.g. 3,6")
     if args.gamma < 1 or not 1 <= args.min_n <= args.max_n:
@@ -242,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
             rate = lookup_rounds(sequences, starts, lambda toks: ngram_lookup(toks, gamma, max_n, min_n, repeat))
             name = f"n {max_n}..{min_n}" + (", repeat" if repeat else "")
             print(json.dumps({**head, "gamma": gamma, "n": [min_n, max_n], "rule": name,
+                              "tokens_per_round": round(rate, 3)}), flush=True)
+        for k in args.candidates:  # k proposals verified side by side against one chain as long
+            rate = candidate_rounds(sequences, starts, gamma, k, args.max_n)
+            print(json.dumps({**head, "gamma": gamma, "candidates": k, "verify_tokens_a_row": 1 + k * gamma,
                               "tokens_per_round": round(rate, 3)}), flush=True)
     if args.rules:
         return

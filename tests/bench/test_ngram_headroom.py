@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.ngram_headroom import expected_lookup_tokens, lookup_rounds, main, ngram_lookup, play_lookup, projected
+from bench.ngram_headroom import (candidate_rounds, expected_lookup_tokens, lookup_rounds, main, ngram_candidates,
+                                  ngram_lookup, play_lookup, projected)
 from drafts.config import DraftConfig
 from drafts.model import DraftModel
 
@@ -82,6 +83,10 @@ def test_bad_options_are_refused_with_the_fix():
         main(["--min-n", "3", "--max-n", "2"])
     with pytest.raises(SystemExit, match="--rules-max-n 3,0: give n >= 1"):
         main(["--rules", "5", "--rules-max-n", "3,0"])
+    with pytest.raises(SystemExit, match="--candidates 0: give K >= 1 with --rules"):
+        main(["--rules", "5", "--candidates", "0"])
+    with pytest.raises(SystemExit, match="--candidates 2: give K >= 1 with --rules"):
+        main(["--candidates", "2"])
 
 
 def test_lookup_rounds_count_a_round_that_proposes_nothing_as_one_token():
@@ -112,3 +117,17 @@ def test_streak_rounds_propose_the_longer_gamma_after_a_full_round_and_price_it(
     for bad in ("8", "15:8", "0:3", "a:b"):
         with pytest.raises(Exception, match="GAMMA:STREAK"):
             streak_pairs(bad)
+
+
+def test_candidates_are_the_distinct_proposals_of_earlier_matches_and_a_round_keeps_the_best():
+    seq = [1, 2, 7, 1, 2, 8, 9, 1, 2]
+    # "1 2" followed by 8 (most recent) then 7; then "2" alone adds nothing new (the same places)
+    assert ngram_candidates(seq, 2, 1) == [ngram_lookup(seq, 2)] == [[8, 9]]
+    assert ngram_candidates(seq, 2, 3) == [[8, 9], [7, 1]]
+    assert ngram_candidates([5, 6, 7], 2, 2) == []
+    # The reply goes on 7 1 5: one proposal, [8, 9], misses (1 token), then [1, 2] keeps 1 (2 tokens); with two,
+    # [7, 1] is kept whole: the 3 tokens in one round
+    reply = seq + [7, 1, 5]
+    one, two = (candidate_rounds([reply], [len(seq) - 1], 2, k) for k in (1, 2))
+    assert one == lookup_rounds([reply], [len(seq) - 1], lambda toks: ngram_lookup(toks, 2)) == 1.5
+    assert two == 3.0
