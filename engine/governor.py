@@ -374,10 +374,14 @@ class SpeculationGovernor:
             key = (pool, bucket)
             now = self._clock()
             probe = self._pool_probes.get(key)
+            plain = all(r is None for r in running)  # no row would leave a draft for good
             if probe is not None:
                 if now - probe[0] <= self.probe_seconds:
-                    return True  # measuring: the batch stays until the estimate has restarted
-                del self._pool_probes[key]  # no batch of this size ran it meanwhile: judged as before
+                    if plain:
+                        return True  # measuring: the batch stays until the estimate has restarted
+                else:
+                    del self._pool_probes[key]  # no batch of this size ran it meanwhile: judged as before
+                    probe = None
             ar = self._cost(self._ar, lambda b: b, bucket)
             row_round = self._cost(self._pool, lambda b: (pool, b), bucket)
             tokens = [self._row_tokens.get(name) for name in names]
@@ -385,15 +389,14 @@ class SpeculationGovernor:
                 return False
             cost = row_round[0] * len(names) / sum(t.value for t in tokens)
             if cost * (1 + self.error_weight * math.hypot(row_round[1], ar[1])) >= ar[0]:
-                if (all(r is None for r in running)
-                        and now - self._pool_seen.get(key, self._started) > self.probe_seconds):
+                if plain and probe is None and now - self._pool_seen.get(key, self._started) > self.probe_seconds:
                     self._pool_probes[key] = (now, False)
                     self.decisions["batch_probes"] += 1
                     return True
                 return False
             for name in {r for r in running if r is not None}:
-                now = self._spec_cost(name, bucket)
-                if now is None or now[0] <= cost:
+                own = self._spec_cost(name, bucket)
+                if own is None or own[0] <= cost:
                     return False
             return True
 

@@ -780,6 +780,7 @@ def test_a_batch_held_off_lookup_by_a_stale_price_probes_it_and_moves_on_the_fre
     for i in range(7):
         gov.observe_pool("lookup", 8, 0.0012, 8)  # the probe's rounds: 0.15 ms a row's round
         assert gov.batch_moves("lookup", names, []), i  # measuring: the batch stays, whatever the price says
+    assert not gov.batch_moves("lookup", names, ["code"] + [None] * 7)  # not a row off a draft, even now
     gov.observe_pool("lookup", 8, 0.0012, 8)
     assert gov.pool_samples("lookup", 8) == 8  # restarted: the old samples are gone
     assert gov.snapshot()["pool_seconds_per_row_round"]["lookup@8"] == pytest.approx(0.00015)
