@@ -553,7 +553,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     drafts, greedy, one batch of held-out prompts per case (bs 8 mixing the three drafts, one-graph rounds and
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
     `DecodeEngine(overlap=True)`; bs 1 draft trees of width 2 and 3, `SpecConfig.tree_width`; n-gram lookup rounds,
-    `engine.lookup`, at bs 1 and 8, sequential and overlapped). After a warm-up pass, a timed
+    `engine.lookup`, at bs 1 and 8, sequential and overlapped, and at bs 8 overlapped through the scattered rows'
+    graphs). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
@@ -582,7 +583,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
              ("bs 1, code draft, tree 2", 1, "code", True, False, 2),
              ("bs 1, code draft, tree 3", 1, "code", True, False, 3),
              ("bs 1, lookup", 1, "lookup", True, False, 1), ("bs 1, lookup, overlapped", 1, "lookup", True, True, 1),
-             ("bs 8, lookup", 8, "lookup", True, False, 1), ("bs 8, lookup, overlapped", 8, "lookup", True, True, 1)]
+             ("bs 8, lookup", 8, "lookup", True, False, 1), ("bs 8, lookup, overlapped", 8, "lookup", True, True, 1),
+             ("bs 8, lookup, overlapped, rows scattered", 8, "lookup", True, True, 1)]
     if only:
         unknown = set(only) - {c[0] for c in cases}
         if unknown:
@@ -608,6 +610,9 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
         eng.add_draft("lookup", LookupDraft())
+        # Rows 0..b-1 through the graphs scattered rows take (the rows a graph input, gathered by index), as rows
+        # admitted into rows freed out of order run (`DecodeEngine.run_graph`): what that path costs, same rounds.
+        eng._scatter_rows = label.endswith(", rows scattered")
         params = [SamplingParams(max_new_tokens=new, temperature=temperature, eos_token_ids=(), seed=i)
                   for i in range(len(prompts))]
         generate(eng, prompts, params, names)  # warm-up: captures every graph the pass needs
