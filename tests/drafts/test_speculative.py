@@ -1629,7 +1629,8 @@ def test_a_batch_held_plain_by_a_stale_lookup_price_probes_lookup_and_stays_on_t
         gov.observe_ar = gov.observe_spec = lambda *args: None  # this CPU's timings aside
         pool, moves = gov.observe_pool, gov.batch_moves
         gov.observe_pool = lambda name, rows, seconds, n: pool(name, rows, 0.0004 * n, n)  # what a round costs
-        gov.batch_moves = lambda *args: (now.__setitem__(0, now[0] + 1.0), moves(*args))[1]  # a second a step
+        # A second passes each time a batch is judged.
+        gov.batch_moves = lambda *args: (now.__setitem__(0, now[0] + 1.0), moves(*args))[1]
 
         eng = _lookup_engine(small, graphs, overlap, extra={"d": noisy(oracle(small), 0.5)}, governor=gov)
         eng.set_alternatives("d", ["lookup"])
