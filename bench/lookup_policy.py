@@ -5,6 +5,7 @@ REQUEST_WINDOW rounds) and when it goes back (`returns_to` over its last `return
     python -m bench.lookup_policy --domain code --split validation --prompts 8 --tokens 256 --windows 32,16,8,4
     python -m bench.lookup_policy --domain dialog --shape request     # the plain held-out requests
     python -m bench.lookup_policy --domain code --tokens-alphas 0.01,0.001   # which drafter requests start on
+    python -m bench.lookup_policy --batch 8 --policies "5;4;6;8:5,4:8,2:8;5/8@0.5"   # a batch's lookup gamma
 
 Each reply is played as the engine plays a lone request with lookup as its drafter: lookup rounds (the `propose`
 rule at `--gamma`, a round making its accepted tokens and one more) until the per-request rule drops it, then plain
@@ -14,7 +15,16 @@ decoding in calls of 4 tokens with the rounds replayed over them (`engine.lookup
 `--plain-ms` (a plain token at batch 1), 300 samples each with 3 % noise: the H200's figures by default (run 38's
 governor snapshot). Times are those costs summed, a projection and not a measurement (no host time, no prefill);
 the rows compare rules over the same replies. Prompts come from our own splits, never the GPU benchmark's test
-prompts (`--split test` is refused)."""
+prompts (`--split test` is refused).
+
+`--batch N` plays instead the three domains' replies (prompts taken in turn) as a closed batch of N rows, every row
+on lookup: each step one round of every running row at the gamma a policy gives (`batch_play`), a finished row's
+place taken by the next request. Policies: `G` (every batch size but 1 at G, a lone row at LookupDraft's 8), a table
+`8:5,4:8,2:8` (by batch-size bucket; the rest as LookupDraft), or `LO/HI@SHARE` (HI where at least SHARE of the
+rows' rounds two rounds back, as an overlapped engine knows them, kept everything they proposed; else LO). A step
+costs `--step-ms` plus `--row-ms` a verified token row of its bucket (the H200's 8-row plain step, 0.82 ms, run 31,
+and 48-row lookup round, 1.08 ms, run 33, on a line); plain decoding is played the same way at one token a row. A
+projection: no prefill, no host."""
 
 from __future__ import annotations
 
@@ -117,6 +127,71 @@ def admissions(sequences: list[tuple[list[int], list[int]]], alphas: tuple[float
     return out
 
 
+def gamma_policy(spec: str):
+    """`batch_play`'s policy from its text (module docstring) -> f(bucket, the rows' known rounds) -> gamma."""
+    from engine.lookup import MAX_GAMMA, LookupDraft
+
+    lone = LookupDraft()  # a lone row's gamma (8), as the engine's default
+    table, lo, hi, share = None, 0, 0, 1.0
+    try:
+        if ":" in spec:
+            table = {int(b): int(g) for b, g in (item.split(":") for item in spec.split(","))}
+        elif "/" in spec:
+            pair, _, at = spec.partition("@")
+            (lo, hi), share = (int(g) for g in pair.split("/")), float(at)
+        else:
+            lo = hi = int(spec)
+    except ValueError:
+        raise SystemExit(f"policy {spec!r}: give G, a table BUCKET:G,... or LO/HI@SHARE, e.g. 5, 8:5,4:8 or 5/8@0.5")
+    if not all(1 <= g <= MAX_GAMMA for g in (table.values() if table else (lo, hi))):
+        raise SystemExit(f"policy {spec!r}: gammas 1..{MAX_GAMMA}")
+
+    def policy(bucket: int, known: list) -> int:
+        if table is not None:
+            return table.get(bucket, lone.gamma_at(bucket, 5))
+        if bucket == 1:
+            return lone.gamma_at(1, 5)
+        rounds = [k for k in known if k is not None]
+        full = sum(1 for accepted, proposed in rounds if proposed and accepted == proposed)
+        return hi if rounds and full >= share * len(rounds) else lo
+
+    return policy
+
+
+def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy, step_ms: float, row_ms: float,
+               lag: int = 2) -> dict:
+    """A closed batch of `batch` rows over (prompt, reply) pairs taken in order, every row on lookup (`policy`: None
+    for plain decoding), each step one round of every running row at the policy's gamma for the step's batch-size
+    bucket and the rows' rounds `lag` rounds back -> {"steps" by bucket, "fill" (running rows over batch x steps),
+    "tokens_per_row_round", "ms"}; a step costs step_ms + row_ms x bucket x (gamma + 1)."""
+    from bench.ngram_headroom import ngram_lookup
+    from bench.tree_headroom import verified_step
+    from engine.governor import batch_bucket
+
+    queue, rows, steps, ms, row_rounds, made = list(range(len(sequences))), {}, {}, 0.0, 0, 0
+    whole = [prompt + reply for prompt, reply in sequences]
+    while queue or rows:
+        while queue and len(rows) < batch:
+            i = queue.pop(0)
+            rows[i] = (len(sequences[i][0]), [None] * lag)  # the prefill made the first reply token
+        bucket = batch_bucket(len(rows))
+        gamma = 0 if policy is None else policy(bucket, [known[0] for _, known in rows.values()])
+        steps[bucket] = steps.get(bucket, 0) + 1
+        ms += step_ms + row_ms * bucket * (gamma + 1)
+        for i, (t, known) in list(rows.items()):
+            seq = whole[i]
+            proposal = ngram_lookup(seq[: t + 1], gamma) if gamma else []
+            step = verified_step(proposal, seq, t) if proposal else 1
+            row_rounds, made = row_rounds + 1, made + step
+            if t + step >= len(seq) - 1:
+                del rows[i]
+            else:
+                rows[i] = (t + step, known[1:] + [(step - 1, len(proposal))])
+    total = sum(steps.values())
+    return {"steps": dict(sorted(steps.items())), "fill": round(row_rounds / max(batch * total, 1), 3),
+            "tokens_per_row_round": round(made / max(row_rounds, 1), 3), "ms": round(ms, 1)}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--domain", default="code")
@@ -136,7 +211,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--draft-ms", type=float, default=None,
                         help="with --tokens-alphas: the domain's draft a token at batch 1 (default: the H200's, run 40's "
                              "governor snapshot: code 0.45, general 0.62, dialog 0.64)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="instead: the three domains' replies as a closed batch of this many lookup rows, under "
+                             "each of --policies (`batch_play`)")
+    parser.add_argument("--policies", default="5;4;6", help="--batch: gamma policies separated by ';' (docstring)")
+    parser.add_argument("--step-ms", type=float, default=0.768, help="--batch: a step's cost at no token rows")
+    parser.add_argument("--row-ms", type=float, default=0.0065, help="--batch: a verified token row's cost")
     args = parser.parse_args(argv)
+    if args.batch is not None and args.batch < 1:
+        raise SystemExit(f"--batch {args.batch}: give the rows of the batch, e.g. 8")
+    policies = [(spec, gamma_policy(spec)) for spec in args.policies.split(";") if spec] if args.batch else []
 
     import torch
 
@@ -146,6 +230,20 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     loaded = load_model("default", device="cpu", dtype="float32")
+    if args.batch:
+        domains = ("code", "general", "dialog")
+        per = {d: prompts_of(args.shape, d, loaded.tokenizer, args.prompts, args.split) for d in domains}
+        prompts = [per[d][i] for i in range(args.prompts) for d in domains if i < len(per[d])]
+        whole = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
+        sequences = [(p, w[len(p):]) for p, w in zip(prompts, whole)]
+        plain = batch_play(sequences, args.batch, None, args.step_ms, args.row_ms)
+        head = {"batch": args.batch, "split": args.split, "shape": args.shape, "requests": len(sequences),
+                "reply_tokens": args.tokens, "step_ms": args.step_ms, "row_ms": args.row_ms}
+        print(json.dumps({**head, "policy": "plain decoding", **plain}), flush=True)
+        for spec, policy in policies:
+            got = batch_play(sequences, args.batch, policy, args.step_ms, args.row_ms)
+            print(json.dumps({**head, "policy": spec, **got, "projected": round(plain["ms"] / got["ms"], 3)}), flush=True)
+        return
     prompts = prompts_of(args.shape, args.domain, loaded.tokenizer, args.prompts, args.split)
     whole = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
     sequences = [(p, w[len(p):]) for p, w in zip(prompts, whole)]

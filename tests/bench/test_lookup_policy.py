@@ -50,3 +50,33 @@ def test_a_short_memory_of_a_domain_s_lookup_tokens_starts_the_request_after_one
     got = admissions([repeater(1), repeater(2), never, repeater(3)], (0.01, 0.001), 8, ROUND, 0.45e-3)
     assert got[0.001] == {"draft_starts": 0, "against_own_reply": 3, "admissions": 12}
     assert got[0.01]["draft_starts"] >= 3 and got[0.01]["against_own_reply"] > got[0.001]["against_own_reply"]
+
+
+def test_a_closed_batch_plays_rows_in_waves_and_costs_each_step_by_its_bucket():
+    from bench.lookup_policy import batch_play
+
+    never = [(list(range(100 * k, 100 * k + 5)), list(range(1000 * (k + 1), 1000 * (k + 1) + 10))) for k in range(3)]
+    plain = batch_play(never, 2, None, 1.0, 0.1)
+    # two rows for 9 steps (the prefill made each reply's first token), then the third request alone for 9
+    assert plain == {"steps": {1: 9, 2: 9}, "fill": 0.75, "tokens_per_row_round": 1.0, "ms": round(9 * 1.2 + 9 * 1.1, 1)}
+    from bench.lookup_policy import gamma_policy
+
+    looked = batch_play(never, 2, gamma_policy("5"), 1.0, 0.1)  # nothing recurs: a round makes one token, dearer
+    assert looked["steps"] == plain["steps"] and looked["ms"] > plain["ms"]
+    phrase = [(list(range(10 * k, 10 * k + 6)), [7, 8, 9, 1, 2, 3] * 10) for k in range(4)]
+    repeats = batch_play(phrase, 2, gamma_policy("5"), 1.0, 0.1)
+    assert repeats["tokens_per_row_round"] > 4 and repeats["ms"] < batch_play(phrase, 2, None, 1.0, 0.1)["ms"] / 2
+
+
+def test_gamma_policies_from_their_text():
+    from bench.lookup_policy import gamma_policy
+
+    assert gamma_policy("5")(8, []) == 5 and gamma_policy("5")(1, []) == 8  # a lone row: LookupDraft's 8
+    table = gamma_policy("8:5,4:8")
+    assert (table(8, []), table(4, []), table(2, []), table(1, [])) == (5, 8, 5, 8)
+    adaptive = gamma_policy("5/8@0.5")
+    assert adaptive(8, [(5, 5), (1, 5), None]) == 8  # one of the two known rounds kept everything
+    assert adaptive(8, [(5, 5), (1, 5), (0, 5)]) == 5 and adaptive(8, [None, None]) == 5
+    for bad in ("five", "8:x", "5/8", "0", "8:16"):
+        with pytest.raises(SystemExit, match="policy"):
+            gamma_policy(bad)
