@@ -251,6 +251,9 @@ class GeneratorCore:
             out.update(model=self.model_name, running=eng.num_running, admitting=eng.num_admitting,
                        waiting=len(eng.waiting), in_flight=self.loop.in_flight, max_batch_size=eng.max_batch_size,
                        steps=self.loop.steps, cache_bytes=eng.memory_report()["target_cache"])
+            if eng.governor.enabled:  # what this replica's governor decided: is it holding speculation off?
+                snap = eng.governor.snapshot()
+                out["governor"] = {"decisions": snap["decisions"], "samples_left_out": snap["samples_left_out"]}
         return out
 
     def _prepare(self, req: dict) -> tuple[Request, dict] | dict:

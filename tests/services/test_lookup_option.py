@@ -15,6 +15,7 @@ def test_a_domain_on_the_lookup_drafter_gives_plain_decoding_s_text_in_rounds(ap
         plain, (text, stats) = _complete(core, None, "plain"), _complete(core, "code", "lookup")
         assert text == plain[0] and stats["rounds"] > 0  # the lookup rounds' text is plain decoding's
         assert stats["drafter"] == "lookup"
+        assert "governor" not in core.info()  # no governor here (the tests' app_args): nothing of its decisions
         assert core.activate("code", "v1") == "ok"  # back to a trained draft, as any version swap
         assert type(core.loop.engine.drafts["code"]).__name__ == "DraftModel"
     finally:
@@ -38,6 +39,9 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
         assert {stats["drafter"] for _, stats in runs} == {"draft", "lookup"}
         samples = eng.governor.snapshot()["spec_samples"]
         assert samples.get("code@1", 0) > 0 and samples.get("code/lookup@1", 0) > 0  # both were measured
+        governor = core.info()["governor"]  # in /health: what this replica's governor decided
+        assert governor["decisions"]["speculate"] >= 3 and "batch_probes" in governor["decisions"]
+        assert governor["samples_left_out"] >= 0
         assert core.activate("code", "lookup") == "ok"
         assert eng.alternatives == {}
     finally:
@@ -46,6 +50,7 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
     try:
         assert off.activate("code", "v1") == "ok"
         assert "lookup" not in off.loop.engine.drafts and off.loop.engine.alternatives == {}
+        assert "governor" in off.info()
     finally:
         off.loop.stop()
 
