@@ -47,26 +47,22 @@ def ngram_lookup(tokens: list[int], gamma: int, max_n: int = DEFAULT_MAX_N, min_
     """The gamma tokens that followed the most recent earlier occurrence of the last n tokens (n = max_n down
     to min_n, the longest that occurs), repeated with their period where they reach the end of `tokens`
     (`repeat=False`: only those that followed, up to gamma); [] where none occurs."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        for start in range(length - n - 1, -1, -1):  # the most recent first; never the suffix itself
-            if tokens[start:start + n] == suffix:
-                return continuation(tokens, start + n, length, gamma, repeat)
-    return []
+    found = ngram_candidates(tokens, gamma, 1, max_n, min_n, repeat)
+    return found[0] if found else []
 
 
-def ngram_candidates(tokens: list[int], gamma: int, k: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1) -> list[list[int]]:
-    """Up to k distinct proposals of gamma tokens (the engine's rule, repeating): what followed the earlier
-    occurrences of the last n tokens, the longest n first and, for each n, the most recent occurrence first;
-    `ngram_lookup`'s proposal is the first. A round verifying them all (a tree of k branches: 1 + k * gamma tokens
-    a row) keeps the one the reply matches furthest."""
+def ngram_candidates(tokens: list[int], gamma: int, k: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1,
+                     repeat: bool = True) -> list[list[int]]:
+    """Up to k distinct proposals of gamma tokens (the rule of `ngram_lookup`, whose proposal is the first): what
+    followed the earlier occurrences of the last n tokens, the longest n first and, for each n, the most recent
+    occurrence first (never the suffix itself). A round verifying them all (a tree of k branches: 1 + k * gamma
+    tokens a row) keeps the one the reply matches furthest."""
     length, found = len(tokens), []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n:]
         for start in range(length - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
-                proposal = continuation(tokens, start + n, length, gamma)
+                proposal = continuation(tokens, start + n, length, gamma, repeat)
                 if proposal not in found:
                     found.append(proposal)
                     if len(found) == k:

@@ -558,7 +558,8 @@ class DecodeEngine:
 
     @property
     def num_admitting(self) -> int:
-        """Requests whose prefill runs beside the batch (`side_prefill`), their rows reserved."""
+        """Requests whose prefill has been launched and that have not joined the batch yet (beside it with
+        `side_prefill`, or prefilled ahead of a free row with `prefill_ahead`), their rows reserved."""
         return sum(len(a.states) - len(a.dropped) for a in self._admitting)
 
     def request_ids(self) -> list[str]:
@@ -948,10 +949,10 @@ class DecodeEngine:
         rows join the batch with their first token committed, while fewer than max_batch_size rows run (the rest
         wait prefilled: `prefill_ahead`). A request cancelled meanwhile leaves its row free."""
         outputs = []
+        running = self.num_running
         while self._admitting and (wait or self._admitting[0].done()):
             a = self._admitting[0]
-            room = self.max_batch_size - self.num_running
-            if room <= 0 and not (a.dropped and a.done()):
+            if running >= self.max_batch_size and not (a.dropped and a.done()):
                 break  # every running row is taken; a cancelled request's row is freed once its prefill has run
             first = a.first_tokens()
             if a.ready is not None:  # the batch's later calls read the rows' cache and history behind the prefill
@@ -960,12 +961,13 @@ class DecodeEngine:
             for s, tok, n in zip(a.states, first, a.lengths):
                 if s.request.request_id in a.dropped:
                     continue
-                if left or self.num_running >= self.max_batch_size:  # (a first token may finish its request)
+                if left or running >= self.max_batch_size:
                     left.append((s, tok, n))
                     continue
                 s.length = n
                 self.slots[s.slot] = s
                 outputs.append(self._commit(s, [tok]))
+                running += self.slots[s.slot] is s  # (its first token may have finished it)
             a.states, a.first, a.lengths = [x[0] for x in left], [x[1] for x in left], [x[2] for x in left]
             a.dropped = set()
             if left:

@@ -81,7 +81,7 @@ class AppArgs(BaseModel):
                                         "(engine DecodeEngine(prefill_ahead=...)). Same tokens; costs their cache "
                                         "memory (about 48 MB a row for the default model at 2,048 tokens). null: "
                                         "max_batch_size - 1 but at most 7 on CUDA (groups of up to eight; bs 8 on an "
-                                        "H100: +3.5-4.7 % for the service, bench/RESULTS.md run 45), 0 on the CPU; "
+                                        "H100: +3.5-5.7 % for the service, bench/RESULTS.md runs 45-46), 0 on the CPU; "
                                         "0: admit into free running rows only.")
 
     def engine_prefill_ahead(self) -> int:
