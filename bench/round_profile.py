@@ -558,7 +558,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
-    case's round also gets its kernels less those of the chain's round at the same gamma (`kernel_diff`).
+    case's round also gets its kernels less those of the chain's round at the same gamma (`kernel_diff`), and a
+    lookup case's round its kernels less the plain case's step with the same rows and overlap, where both ran.
     `only`: the cases whose labels are listed; `temperatures`: each case at each (T > 0 samples, seeded);
     `sub_vocab_draws`: `SpecConfig.sub_vocab_draws` (False: sampled rounds draw over the whole vocabulary);
     `sampling_compare`: each sampled case also with `engine.triton_kernels.SAMPLING` off (", torch sampling":
@@ -653,6 +654,10 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         if ", tree " in label and chain is not None:
             print(f"{label}, round less the chain's (same gamma):", flush=True)
             print_kernel_diff(by, chain, top, "    ")
+        plain = costliest.get(label.replace(", rows scattered", "").replace("lookup", "plain"))
+        if ", lookup" in label and plain is not None:  # where a lookup round's time over a plain step goes
+            print(f"{label}, round less the plain step's (same rows):", flush=True)
+            print_kernel_diff(by, plain, top, "    ")
         with_kernels = costliest.get(label.replace(", torch sampling", ""))
         if label.endswith(", torch sampling") and with_kernels is not None:
             print(f"{label}, round less the same round with the sampling kernels:", flush=True)
