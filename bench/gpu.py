@@ -929,6 +929,12 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                           overlap=True))
         if best:
             rows.append(service(after=after, alternative=LookupDraft(max_n=max_n)))
+    if getattr(bench.args, "lookup_allot", False):  # each row its own gamma within the batch's verify tokens
+        after = ", allotted"
+        rows.append(alone(LookupDraft(gammas={}, streak_gammas={}, allot=True), top, ", overlapped" + after,
+                          overlap=True))
+        if best:
+            rows.append(service(after=after, alternative=LookupDraft(allot=True)))
     vocab = getattr(bench.args, "vocab_config", None)
     if vocab:  # the vocabulary projection's launch setting, side by side
         after = ", vocabulary " + ",".join(f"{k}={v}" for k, v in vocab.items())
@@ -1174,6 +1180,11 @@ def main() -> None:
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the longest n-gram looked up at each of these (LookupDraft(max_n=N); the "
                              "default is engine.lookup.DEFAULT_MAX_N, 6), side by side, e.g. 3")
+    parser.add_argument("--lookup-allot", action="store_true",
+                        help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
+                             "setting with allotted rounds (LookupDraft(allot=True): at batch sizes 2 and up each row "
+                             "its own gamma by its match's n, within the verify tokens of the batch's gamma), side by "
+                             "side")
     parser.add_argument("--vocab-config", default=None, type=vocab_setting,
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the vocabulary projection's launch setting overridden by this "

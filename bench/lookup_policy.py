@@ -5,7 +5,8 @@ REQUEST_WINDOW rounds) and when it goes back (`returns_to` over its last `return
     python -m bench.lookup_policy --domain code --split validation --prompts 8 --tokens 256 --windows 32,16,8,4
     python -m bench.lookup_policy --domain dialog --shape request     # the plain held-out requests
     python -m bench.lookup_policy --domain code --tokens-alphas 0.01,0.001   # which drafter requests start on
-    python -m bench.lookup_policy --batch 8 --policies "5;4;6;8:5,4:8,2:8;5/8@0.5"   # a batch's lookup gamma
+    python -m bench.lookup_policy --batch 8 --policies "5;4;6;8:5,4:8,2:8;5/8@0.5;allot"   # a batch's lookup gamma
+    python -m bench.lookup_policy --allot-table --split train --prompts 16   # engine.lookup.ALLOT_TABLE
 
 Each reply is played as the engine plays a lone request with lookup as its drafter: lookup rounds (the `propose`
 rule at `--gamma`, a round making its accepted tokens and one more) until the per-request rule drops it, then plain
@@ -21,7 +22,9 @@ prompts (`--split test` is refused).
 on lookup: each step one round of every running row at the gamma a policy gives (`batch_play`), a finished row's
 place taken by the next request. Policies: `G` (every batch size but 1 at G, a lone row at LookupDraft's 8), a table
 `8:5,4:8,2:8` (by batch-size bucket; the rest as LookupDraft), or `LO/HI@SHARE` (HI where at least SHARE of the
-rows' rounds two rounds back, as an overlapped engine knows them, kept everything they proposed; else LO). A step
+rows' rounds two rounds back, as an overlapped engine knows them, kept everything they proposed; else LO), or
+`allot` / `allot:G` (each row its own gamma up to G by its match's n, within the verify tokens of gamma 5's rounds:
+`engine.lookup.allot`). A step
 costs `--step-ms` plus `--row-ms` a verified token row of its bucket (the H200's 8-row plain step, 0.82 ms, run 31,
 and 48-row lookup round, 1.08 ms, run 33, on a line); plain decoding is played the same way at one token a row. A
 projection: no prefill, no host."""
@@ -127,9 +130,59 @@ def admissions(sequences: list[tuple[list[int], list[int]]], alphas: tuple[float
     return out
 
 
+def allot_table(sequences: list[tuple[list[int], list[int]]], max_gamma: int = 15, max_n: int | None = None) -> dict:
+    """How likely a greedy lookup row accepts at least d of its proposal, by the n its match has (`engine.lookup.allot`'s
+    table): at every reply position with max_gamma + 1 tokens of reply after it, the proposal of max_gamma tokens
+    and the tokens of it the reply matches -> {"rows": [[P(>= 1), ..., P(>= max_gamma)] for n = 0 .. max_n],
+    "positions": [count by n]}."""
+    from bench.ngram_headroom import ngram_match
+    from bench.tree_headroom import verified_step
+    from engine.lookup import DEFAULT_MAX_N
+
+    max_n = DEFAULT_MAX_N if max_n is None else max_n
+    count, kept = [0] * (max_n + 1), [[0] * max_gamma for _ in range(max_n + 1)]
+    for prompt, reply in sequences:
+        seq = prompt + reply
+        for t in range(len(prompt), len(seq) - max_gamma - 1):
+            n, proposal = ngram_match(seq[: t + 1], max_gamma, max_n)
+            accepted = verified_step(proposal, seq, t) - 1 if proposal else 0
+            count[n] += 1
+            for d in range(accepted):
+                kept[n][d] += 1
+    return {"rows": [[round(k / max(c, 1), 3) for k in row] for row, c in zip(kept, count)], "positions": count}
+
+
+class Allotted:
+    """`batch_play`'s policy "allot" (or "allot:G"): each row its own gamma, up to G (default
+    `engine.lookup.ALLOT_MAX_GAMMA`), from its match's n within the bucket x (gamma + 1) verify tokens a round of
+    `gamma` takes (`engine.lookup.allot`, the engine's table), the bucket's padding rows counted as rows without a
+    match, as the engine's padded graph runs them."""
+
+    def __init__(self, gamma: int, max_gamma: int) -> None:
+        self.gamma, self.max_gamma = gamma, max_gamma
+
+    def gammas(self, bucket: int, matched: list[int]) -> list[int]:
+        import torch
+
+        from engine.lookup import allot
+
+        padded = torch.tensor(matched + [0] * (bucket - len(matched)))
+        return allot(padded, bucket * (self.gamma + 1), self.max_gamma)[: len(matched)].tolist()
+
+
 def gamma_policy(spec: str):
-    """`batch_play`'s policy from its text (module docstring) -> f(bucket, the rows' known rounds) -> gamma."""
-    from engine.lookup import MAX_GAMMA, LookupDraft
+    """`batch_play`'s policy from its text (module docstring) -> f(bucket, the rows' known rounds) -> gamma, or an
+    `Allotted` policy ("allot", "allot:G")."""
+    from engine.lookup import ALLOT_MAX_GAMMA, MAX_GAMMA, LookupDraft
+
+    if spec == "allot" or spec.startswith("allot:"):
+        try:
+            top = int(spec.partition(":")[2] or ALLOT_MAX_GAMMA)
+        except ValueError:
+            raise SystemExit(f"policy {spec!r}: give allot or allot:G, e.g. allot:8")
+        if not 1 <= top <= MAX_GAMMA:
+            raise SystemExit(f"policy {spec!r}: gammas 1..{MAX_GAMMA}")
+        return Allotted(5, top)
 
     lone = LookupDraft()  # a lone row's gamma (8), as the engine's default
     table, lo, hi, share = None, 0, 0, 1.0
@@ -163,10 +216,12 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
     """A closed batch of `batch` rows over (prompt, reply) pairs taken in order, every row on lookup (`policy`: None
     for plain decoding), each step one round of every running row at the policy's gamma for the step's batch-size
     bucket and the rows' rounds `lag` rounds back -> {"steps" by bucket, "fill" (running rows over batch x steps),
-    "tokens_per_row_round", "ms"}; a step costs step_ms + row_ms x bucket x (gamma + 1)."""
-    from bench.ngram_headroom import ngram_lookup
+    "tokens_per_row_round", "ms"}; a step costs step_ms + row_ms x bucket x (gamma + 1). An `Allotted` policy gives
+    each row its own gamma within the same verify tokens as its gamma's rounds."""
+    from bench.ngram_headroom import ngram_lookup, ngram_match
     from bench.tree_headroom import verified_step
     from engine.governor import batch_bucket
+    from engine.lookup import LookupDraft
 
     queue, rows, steps, ms, row_rounds, made = list(range(len(sequences))), {}, {}, 0.0, 0, 0
     whole = [prompt + reply for prompt, reply in sequences]
@@ -175,12 +230,21 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
             i = queue.pop(0)
             rows[i] = (len(sequences[i][0]), [None] * lag)  # the prefill made the first reply token
         bucket = batch_bucket(len(rows))
-        gamma = 0 if policy is None else policy(bucket, [known[0] for _, known in rows.values()])
+        proposals = {}
+        if isinstance(policy, Allotted) and bucket > 1:  # a lone row keeps its own gamma, as the engine runs it
+            gamma = policy.gamma
+            matches = {i: ngram_match(whole[i][: t + 1], policy.max_gamma) for i, (t, _) in rows.items()}
+            for i, g in zip(matches, policy.gammas(bucket, [n for n, _ in matches.values()])):
+                proposals[i] = matches[i][1][:g]
+        elif isinstance(policy, Allotted):
+            gamma = LookupDraft().gamma_at(1, policy.gamma)
+        else:
+            gamma = 0 if policy is None else policy(bucket, [known[0] for _, known in rows.values()])
         steps[bucket] = steps.get(bucket, 0) + 1
         ms += step_ms + row_ms * bucket * (gamma + 1)
         for i, (t, known) in list(rows.items()):
             seq = whole[i]
-            proposal = ngram_lookup(seq[: t + 1], gamma) if gamma else []
+            proposal = proposals[i] if i in proposals else ngram_lookup(seq[: t + 1], gamma) if gamma else []
             step = verified_step(proposal, seq, t) if proposal else 1
             row_rounds, made = row_rounds + 1, made + step
             if t + step >= len(seq) - 1:
@@ -217,6 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policies", default="5;4;6", help="--batch: gamma policies separated by ';' (docstring)")
     parser.add_argument("--step-ms", type=float, default=0.768, help="--batch: a step's cost at no token rows")
     parser.add_argument("--row-ms", type=float, default=0.0065, help="--batch: a verified token row's cost")
+    parser.add_argument("--allot-table", action="store_true",
+                        help="instead: the three domains' replies' chances that a lookup row keeps at least d of its "
+                             "proposed tokens, by its match's n (`allot_table`, engine.lookup.ALLOT_TABLE's source)")
     args = parser.parse_args(argv)
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"--batch {args.batch}: give the rows of the batch, e.g. 8")
@@ -230,12 +297,16 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(args.threads)
     loaded = load_model("default", device="cpu", dtype="float32")
-    if args.batch:
+    if args.batch or args.allot_table:
         domains = ("code", "general", "dialog")
         per = {d: prompts_of(args.shape, d, loaded.tokenizer, args.prompts, args.split) for d in domains}
         prompts = [per[d][i] for i in range(args.prompts) for d in domains if i < len(per[d])]
         whole = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)
         sequences = [(p, w[len(p):]) for p, w in zip(prompts, whole)]
+        if args.allot_table:
+            print(json.dumps({"split": args.split, "shape": args.shape, "requests": len(sequences),
+                              "reply_tokens": args.tokens, **allot_table(sequences)}), flush=True)
+            return
         plain = batch_play(sequences, args.batch, None, args.step_ms, args.row_ms)
         head = {"batch": args.batch, "split": args.split, "shape": args.shape, "requests": len(sequences),
                 "reply_tokens": args.tokens, "step_ms": args.step_ms, "row_ms": args.row_ms}

@@ -51,6 +51,19 @@ def ngram_lookup(tokens: list[int], gamma: int, max_n: int = DEFAULT_MAX_N, min_
     return found[0] if found else []
 
 
+def ngram_match(tokens: list[int], gamma: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1,
+                repeat: bool = True) -> tuple[int, list[int]]:
+    """(n, proposal): `ngram_lookup`'s proposal and the n of the match it follows (0 and [] where none occurs),
+    `engine.lookup.propose(..., with_match=True)` on one row."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return n, continuation(tokens, start + n, length, gamma, repeat)
+    return 0, []
+
+
 def ngram_candidates(tokens: list[int], gamma: int, k: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1,
                      repeat: bool = True) -> list[list[int]]:
     """Up to k distinct proposals of gamma tokens (the rule of `ngram_lookup`, whose proposal is the first): what

@@ -31,23 +31,25 @@ DEFAULT_MAX_N = 6
 
 
 def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int = DEFAULT_MAX_N, min_n: int = 1,
-            repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            repeat: bool = True, with_match: bool = False) -> tuple[torch.Tensor, ...]:
     """history (b, S) token ids, row i's tokens in history[i, :lengths[i]] (the rest is ignored); lengths (b,)
     -> (proposals (b, gamma), counts (b,)): row i proposes proposals[i, :counts[i]], the gamma tokens that
     followed the most recent earlier occurrence of its last n tokens (the longest n in max_n .. min_n that
     occurred), repeated with their period where they reach the row's length; counts[i] == 0 where none
     occurred (proposals[i] then undefined), else gamma. `repeat=False`: the rule before the repeat, only the
     tokens that followed, never past the row's length (counts up to gamma). The same as
-    `bench.ngram_headroom.ngram_lookup` on each row."""
+    `bench.ngram_headroom.ngram_lookup` on each row. `with_match`: a third tensor (b,), the n each row's match
+    has (0 where none occurred), what `allot` ranks rows by."""
     if gamma < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"gamma {gamma}, n {min_n}..{max_n}: need gamma >= 1 and 1 <= min_n <= max_n")
     fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)  # one launch on the GPU
     if fast is not None:
-        return fast
+        return fast if with_match else fast[:2]
     b, s = history.shape
     lengths = lengths.to(device=history.device, dtype=torch.long)
     found = torch.zeros(b, dtype=torch.bool, device=history.device)
     follow = torch.zeros(b, dtype=torch.long, device=history.device)  # where the proposal starts
+    matched = torch.zeros(b, dtype=torch.long, device=history.device)  # the n found
     for n in range(max_n, min_n - 1, -1):
         if n >= s:
             continue
@@ -60,13 +62,53 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int
         last = torch.where(match, starts[None], -1).amax(dim=1)  # the most recent occurrence, -1 if none
         take = (last >= 0) & ~found  # the longest n that occurred wins
         follow = torch.where(take, last + n, follow)
+        matched = torch.where(take, n, matched)
         found = found | take
     offsets = torch.arange(gamma, device=history.device)[None]
     if repeat:
         offsets = offsets % (lengths - follow).clamp(min=1)[:, None]  # the period: from the match's end to the row's
     proposals = history.gather(1, (follow[:, None] + offsets).clamp(max=s - 1))
     counts = torch.where(found, gamma if repeat else (lengths - follow).clamp(min=0, max=gamma), 0)
-    return proposals, counts
+    return (proposals, counts, matched) if with_match else (proposals, counts)
+
+
+# How likely a greedy lookup row accepts at least d of its proposed tokens, by the n its match has: ALLOT_TABLE[n][d - 1]
+# for n = 0 .. 6 (0: nothing occurred) and d = 1 .. 15, over our train split's greedy replies (`python -m
+# bench.lookup_policy --allot-table --split train`: every position of 8 long prompts a domain, 256 tokens each). A
+# match of 6 tokens (text repeating itself) keeps most of what it proposes; one of 1 or 2 tokens little. `allot`
+# ranks a batch's rows by it.
+ALLOT_TABLE = (
+    (0.0,) * 15,
+    (0.186, 0.093, 0.064, 0.056, 0.051, 0.045, 0.043, 0.035, 0.029, 0.024, 0.024, 0.021, 0.019, 0.019, 0.019),
+    (0.43, 0.28, 0.21, 0.178, 0.159, 0.131, 0.112, 0.098, 0.089, 0.079, 0.075, 0.061, 0.061, 0.061, 0.061),
+    (0.669, 0.482, 0.41, 0.381, 0.324, 0.295, 0.273, 0.259, 0.201, 0.194, 0.173, 0.165, 0.165, 0.165, 0.158),
+    (0.732, 0.616, 0.562, 0.491, 0.455, 0.429, 0.402, 0.321, 0.312, 0.286, 0.277, 0.277, 0.25, 0.232, 0.205),
+    (0.752, 0.673, 0.584, 0.545, 0.515, 0.485, 0.396, 0.386, 0.356, 0.347, 0.337, 0.307, 0.277, 0.248, 0.248),
+    (0.968, 0.948, 0.932, 0.916, 0.9, 0.885, 0.874, 0.863, 0.853, 0.842, 0.832, 0.823, 0.814, 0.806, 0.798),
+)
+# The most tokens an allotted round gives one row.
+ALLOT_MAX_GAMMA = 12
+
+
+def allot(matched: torch.Tensor, budget: int, max_gamma: int, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row gammas of an allotted lookup round: matched (b,), the n each row's match has (`propose(...,
+    with_match=True)`); budget, the round's verify tokens (at least b: each row verifies its pending token) -> (b,)
+    gammas, each at most max_gamma, summing to budget - b (or to b x max_gamma where that is less). The budget's
+    tokens go to the (row, depth) pairs most likely accepted (`table[n][d - 1]`, default `ALLOT_TABLE`), a row's
+    deeper ones only after its shallower ones (ties: shallower first). Fixed shapes, no host synchronization:
+    it runs inside a round's CUDA graph."""
+    b = matched.shape[0]
+    if budget < b or max_gamma < 1:
+        raise ValueError(f"budget {budget} for {b} rows, max gamma {max_gamma}: need budget >= rows and max gamma >= 1")
+    table = torch.as_tensor(ALLOT_TABLE if table is None else table, dtype=torch.float32, device=matched.device)
+    depth = torch.arange(max_gamma, device=matched.device)
+    # Row n's chances, non-increasing in depth (deeper tokens are kept only with the shallower ones), each less a
+    # hair per depth so that a row's picks are always its shallowest (a prefix of its proposal).
+    chance = table[matched.clamp(0, table.shape[0] - 1)][:, :max_gamma].cummin(dim=1).values - 1e-6 * depth
+    picks = min(budget - b, b * max_gamma)
+    top = chance.flatten().topk(picks).indices
+    return torch.zeros(b * max_gamma, dtype=torch.long, device=matched.device).index_fill_(0, top, 1).view(
+        b, max_gamma).sum(dim=1)
 
 
 def continuation(seq: list[int], follow: int, length: int, gamma: int, repeat: bool = True) -> list[int]:
@@ -199,7 +241,11 @@ class LookupDraft:
     (the engine's cache margin holds that much whatever its own gamma; `DecodeEngine.lookup_gamma`). Sampled
     rounds take the engine's gamma: a seeded request's draws must not depend on its batch. `streak_gammas`: a
     greedy round's gamma by bucket after a round that accepted every token it proposed (default
-    `DEFAULT_STREAK_GAMMAS`; `{}`: never), at most `MAX_GAMMA`. `max_n`, `min_n`, `repeat`: the rule (`propose`)."""
+    `DEFAULT_STREAK_GAMMAS`; `{}`: never), at most `MAX_GAMMA`. `max_n`, `min_n`, `repeat`: the rule (`propose`).
+    `allot`: a greedy round of a batch (bucket 2 and up) gives each row its own gamma, up to `ALLOT_MAX_GAMMA`,
+    within the verify tokens the bucket's gamma gives the batch, by how likely its match's tokens are kept
+    (`allot`, `launch_lookup_round(..., allotted=...)`): rows repeating a long stretch propose more, rows with a
+    one-token match less."""
 
     shared_layers = 0
     adapter_layers = 0
@@ -207,7 +253,7 @@ class LookupDraft:
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, max_n: int = DEFAULT_MAX_N, min_n: int = 1, gammas: dict[int, int] | None = None,
-                 repeat: bool = True, streak_gammas: dict[int, int] | None = None) -> None:
+                 repeat: bool = True, streak_gammas: dict[int, int] | None = None, allot: bool = False) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n {min_n}..{max_n}: need 1 <= min_n <= max_n, e.g. max_n=6, min_n=1")
         gammas = dict(DEFAULT_GAMMAS if gammas is None else gammas)
@@ -221,6 +267,7 @@ class LookupDraft:
                                  f"1..{MAX_GAMMA}}}, e.g. {example}")
         self.max_n, self.min_n, self.gammas, self.repeat = max_n, min_n, gammas, repeat
         self.streak_gammas = streak_gammas
+        self.allot = allot
 
     @property
     def rule(self) -> tuple[int, int, bool]:
@@ -239,7 +286,7 @@ class LookupDraft:
 
     def __repr__(self) -> str:
         return (f"LookupDraft(max_n={self.max_n}, min_n={self.min_n}, gammas={self.gammas}, repeat={self.repeat}, "
-                f"streak_gammas={self.streak_gammas})")
+                f"streak_gammas={self.streak_gammas}, allot={self.allot})")
 
 
 def is_lookup(draft) -> bool:
@@ -265,9 +312,49 @@ def record_round(eng, history: torch.Tensor, rows, pos0: torch.Tensor, proposed:
         eng.history[rows] = history
 
 
+def allotted_verify(eng, pending: torch.Tensor, pos0: torch.Tensor, proposals: torch.Tensor, matched: torch.Tensor,
+                    rows, kv_len: int, budget: int):
+    """The verify pass of an allotted round -> (VerifyResult, gammas (b,)): each row's gamma from `allot` (its
+    match's n, within `budget` tokens), and the target over the rows' [pending, first gamma proposed] chains packed
+    into `budget` token rows of one token each, each row of the pass reading and writing its chain's cache row at
+    its own position (a row's tokens see the tokens before them in the cache: every layer writes the pass's keys
+    and values before it attends). Greedy: each row keeps the longest prefix of its allotted proposal the target's
+    argmaxes match, and the target's next token."""
+    from engine.triton_kernels import argmax
+    from engine.verify import VerifyResult
+
+    b, top = proposals.shape
+    gammas = allot(matched, budget, top)
+    width = top + 1
+    chain = torch.arange(width, device=pos0.device)
+    flat = torch.arange(b * width, device=pos0.device).view(b, width)
+    # The chains' slots in order: every (row, depth) with depth <= the row's gamma, exactly `budget` of them (the
+    # gammas sum to budget - b where top x b reaches that, which the caller ensures).
+    order = torch.where(chain[None] <= gammas[:, None], flat, b * width).flatten().sort().values[:budget]
+    row_of, depth = order // width, order % width
+    cache_rows = (torch.arange(rows.start, rows.stop, device=pos0.device) if isinstance(rows, slice) else rows)[row_of]
+    tokens = torch.cat([pending[:, None], proposals], dim=1).flatten()[order]
+    logits = eng.model(tokens[:, None], (pos0[row_of] + depth)[:, None], cache=eng.cache, rows=cache_rows,
+                       kv_len=kv_len).logits  # (budget, 1, V)
+    target = torch.zeros(b * width, dtype=torch.long, device=pos0.device).scatter_(0, order, argmax(logits[:, 0]))
+    target = target.view(b, width)
+    matches = ((proposals == target[:, :top]) & (chain[None, :top] < gammas[:, None])).long()
+    num_accepted = matches.cumprod(dim=1).sum(dim=1)
+    return VerifyResult(num_accepted, target.gather(1, num_accepted[:, None]).squeeze(1)), gammas
+
+
+def allotted_result(packed: list[list[int]]):
+    """An allotted lookup round's result from its packed output, per row [num_accepted, next token, proposed...,
+    the row's gamma]: `engine.speculative.round_result` with each row's own gamma as what it drafted."""
+    from engine.speculative import RoundResult
+
+    return RoundResult([p[2:2 + p[0]] + [p[1]] for p in packed], [p[0] for p in packed], [p[-1] for p in packed],
+                       [1] * len(packed))
+
+
 def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool = True,
                         pending: torch.Tensor | None = None,
-                        pos0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        pos0: torch.Tensor | None = None, allotted: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A lookup round for rows holding a LookupDraft, launched: -> (packed (b, gamma + 2) on the device, per row
     [num_accepted, next token, proposed...], as `engine.speculative.launch_round` packs a draft's round; pos0 (b,),
     the positions of the rows' pending tokens). `pending` and `pos0` on the device (the round before's outcome,
@@ -285,11 +372,19 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     A sampled round takes the draws a draft's round of this gamma takes (2 gamma + 1: the verifier's are the
     last gamma + 1), so a seeded request's streams move alike whichever drafter served it. With graphs it is
     one CUDA graph per (batch bucket, row layout, kv bucket, gamma, rule, sampling kind). The batch's rows look up
-    with its first row's rule (drafters registered with other settings share a round that way)."""
+    with its first row's rule (drafters registered with other settings share a round that way).
+
+    `allotted` (greedy only): each row proposes its own number of tokens, up to `gamma`, within the verify tokens a
+    round of `allotted` takes (bucket x (allotted + 1)), by how likely its match's tokens are kept (`allot`,
+    `allotted_verify`): packed is then (b, gamma + 3), [num_accepted, next token, proposed (gamma)..., the row's
+    gamma]."""
     from engine.cache import row_index, to_device
     from engine.sampling import advance, needs_filters, param_tensors, processed_probs, stream_state, uniform_at
     from engine.verify import verify_greedy, verify_sampled
 
+    if allotted is not None and (not greedy or not 1 <= allotted <= gamma):
+        raise ValueError(f"an allotted lookup round of {allotted} tokens a row on average, up to {gamma}: greedy rows "
+                         "only, and 1 <= allotted <= gamma")
     model, device = eng.model, eng.device
     draft = slots[0].draft
     kv_len = eng.kv_bucket(kv_len)
@@ -306,8 +401,15 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
         inputs.update(state=stream_state([s.random for s in slots], device), **param_tensors(params, device))
     vocab = model.args.vocab_size
 
+
     def fn(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
         history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
+        if allotted is not None:
+            proposals, _, matched = propose(history, pos0 + 1, gamma, *draft.rule, with_match=True)
+            res, gammas = allotted_verify(eng, pending, pos0, proposals, matched, rows, kv_len,
+                                          pending.shape[0] * (allotted + 1))
+            record_round(eng, history, rows, pos0, proposals, res)
+            return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], proposals, gammas[:, None]], dim=1),)
         proposals, _ = propose(history, pos0 + 1, gamma, *draft.rule)
         tokens = torch.cat([pending[:, None], proposals], dim=1)  # (b, gamma + 1)
         logits = model(tokens, pos0[:, None] + steps[None], cache=eng.cache, rows=rows, kv_len=kv_len).logits
@@ -324,7 +426,7 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
     if not eng.graphs.enabled:
         (packed,) = fn(**inputs)
     else:
-        kind = "greedy" if greedy else ("sampled", filtered)
+        kind = ("greedy" if allotted is None else ("allotted", allotted)) if greedy else ("sampled", filtered)
         (packed,) = eng.run_graph(("lookup-round", kind, kv_len, gamma, *draft.rule), fn, rows, inputs)
     if not greedy:
         advance([s.random for s in slots], n_draws)

@@ -22,7 +22,7 @@ from engine.cuda_graphs import GraphCache
 from engine.fused import compile_events
 from engine.gamma import GammaController
 from engine.governor import SpeculationGovernor, batch_bucket
-from engine.lookup import LOOKUP_POOL, LookupShadow, is_lookup, launch_lookup_round
+from engine.lookup import ALLOT_MAX_GAMMA, LOOKUP_POOL, LookupShadow, allotted_result, is_lookup, launch_lookup_round
 from engine.lookup import MAX_GAMMA as LOOKUP_MAX_GAMMA
 from engine.model import Transformer
 from engine.requests import Request, RequestError, RequestOutput, SlotState, repeats_its_seed
@@ -836,16 +836,27 @@ class DecodeEngine:
         streak = all(s.lookup_streak for s in rows) if self._streak_forced is None else self._streak_forced
         return self.lookup_gamma(rows[0].draft, len(rows), greedy, streak)
 
-    def _lookup_round(self, rows: list[SlotState]):
-        """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at `lookup_gamma`;
-        with `overlap`, the batch's next one is launched from its outcome on the device first."""
-        greedy = all(s.request.params.greedy for s in rows)
+    def _next_lookup_round(self, rows: list[SlotState], greedy: bool) -> tuple[int, int | None]:
+        """(gamma, allotted) of the rows' next lookup round: `_next_lookup_gamma`, or for a greedy batch (bucket 2
+        and up) of a drafter with `LookupDraft.allot`, each row's own gamma up to ALLOT_MAX_GAMMA within the verify
+        tokens of that gamma's round (`launch_lookup_round(..., allotted=...)`)."""
         gamma = self._next_lookup_gamma(rows, greedy)
-        packed, pos0 = launch_lookup_round(self, rows, gamma, max(s.length for s in rows) + gamma + 2, greedy)
+        if greedy and getattr(rows[0].draft, "allot", False) and self.batch_bucket(len(rows)) > 1:
+            return max(gamma, ALLOT_MAX_GAMMA), gamma
+        return gamma, None
+
+    def _lookup_round(self, rows: list[SlotState]):
+        """A lookup round for rows holding a LookupDraft (`engine.lookup.launch_lookup_round`) at `lookup_gamma`
+        (or allotted: `_next_lookup_round`); with `overlap`, the batch's next one is launched from its outcome on
+        the device first."""
+        greedy = all(s.request.params.greedy for s in rows)
+        gamma, allotted = self._next_lookup_round(rows, greedy)
+        packed, pos0 = launch_lookup_round(self, rows, gamma, max(s.length for s in rows) + gamma + 2, greedy,
+                                           allotted=allotted)
         host, ready = _fetch(packed)
         if self._may_overlap_round(rows, gamma):
             self._ahead = self._launch_next_round(rows, packed, pos0, gamma, greedy)
-        result = round_result(_read(host, ready), gamma)
+        result = round_result(_read(host, ready), gamma) if allotted is None else allotted_result(_read(host, ready))
         self._round_clock = time.perf_counter()
         return result
 
@@ -874,7 +885,7 @@ class DecodeEngine:
         """Whether the batch's next round may be launched before the host reads the one in flight, which drafts
         `gamma` (`_may_chain`): every row speculates and wants both rounds' tokens in full."""
         if batch and all(is_lookup(s.draft) for s in batch):
-            following = self._next_lookup_gamma(batch, all(s.request.params.greedy for s in batch))
+            following = self._next_lookup_round(batch, all(s.request.params.greedy for s in batch))[0]
             return self._may_chain(batch, gamma + 1 + following + 1, speculating=True)
         return self._may_chain(batch, 2 * (self.spec.num_speculative_tokens + 1), speculating=True)
 
@@ -903,11 +914,12 @@ class DecodeEngine:
         which drafted `gamma` from positions pos0 (b,) at the committed lengths; None if this round would not be
         one graph (the gamma controller's pick). A batch of lookup rows chains its next lookup round."""
         if all(is_lookup(s.draft) for s in batch):
-            g = self._next_lookup_gamma(batch, greedy)
+            g, allotted = self._next_lookup_round(batch, greedy)
             kv_len = max(s.length for s in batch) + gamma + 1 + g + 2  # the longest row accepting everything in flight
             nxt, npos = launch_lookup_round(self, batch, g, kv_len, greedy, pending=packed[:, 1],
-                                            pos0=pos0 + packed[:, 0] + 1)
-            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=greedy)
+                                            pos0=pos0 + packed[:, 0] + 1, allotted=allotted)
+            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=greedy,
+                          allotted=allotted)
         spec, report = self._round_spec(batch)
         drafts = [s.draft for s in batch]
         if not captured_path(self, drafts, spec, batch, greedy):
@@ -1325,7 +1337,8 @@ class DecodeEngine:
         cold = self._cold_events()
         if self._may_overlap_round(batch, ahead.steps):
             self._ahead = self._launch_next_round(batch, ahead.tokens, ahead.pos, ahead.steps, ahead.greedy)
-        result = round_result(_read(ahead.host, ahead.ready), ahead.steps)
+        host = _read(ahead.host, ahead.ready)
+        result = round_result(host, ahead.steps) if ahead.allotted is None else allotted_result(host)
         now = time.perf_counter()
         # Rounds run back to back on the device: the time since the last one's result is this one's cost.
         seconds = now - self._round_clock if self._cold_events() == cold else None
@@ -1606,6 +1619,7 @@ class _Ahead:
     kind: str = "plain"  # or "round": a captured speculative round, `tokens` its packed outcome
     report: tuple | None = None  # a round: what to report to the gamma controller (`_round_spec`)
     greedy: bool = True
+    allotted: int | None = None  # an allotted lookup round: its gamma's verify tokens a row (`_next_lookup_round`)
 
 
 @dataclasses.dataclass

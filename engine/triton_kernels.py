@@ -329,12 +329,12 @@ def _kernels():
             tl.store(SIN + i * D + d, tl.load(RS + p * srs + d, mask=m, other=0.0).to(SIN.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def lookup_propose_kernel(H, LEN, PROP, COUNT, S, shb, shs, slb, gamma,
+    def lookup_propose_kernel(H, LEN, PROP, COUNT, MATCH, S, shb, shs, slb, gamma,
                               MAX_N: tl.constexpr, MIN_N: tl.constexpr, BLOCK: tl.constexpr, GP: tl.constexpr,
                               REPEAT: tl.constexpr = True, PDL: tl.constexpr = False):
         """One program per row: the most recent earlier occurrence of its last n tokens, for n from MAX_N down to
         MIN_N (the longest that occurred wins), and the gamma tokens that followed it (repeated with their period
-        where they reach the row's length)."""
+        where they reach the row's length); MATCH[r] the n found (0: none)."""
         if PDL:  # programmatic dependent launch: wait for the kernel before, let the next one launch
             gdc_wait()
             gdc_launch_dependents()
@@ -343,6 +343,7 @@ def _kernels():
         length = tl.load(LEN + r * slb).to(tl.int64)
         found = length < 0  # False, as a scalar tensor
         follow = length * 0
+        matched = length * 0
         for k in tl.static_range(MAX_N - MIN_N + 1):
             # n = MAX_N - k, written out: a name assigned here would be a tensor, and static_range needs a constant
             best = length * 0 - 1
@@ -356,6 +357,7 @@ def _kernels():
                 best = tl.maximum(best, tl.max(tl.where(m, p, -1), axis=0))
             take = (best >= 0) & (found == 0)
             follow = tl.where(take, best + (MAX_N - k), follow)
+            matched = tl.where(take, MAX_N - k, matched)
             found = found | take
         g = tl.arange(0, GP).to(tl.int64)
         if REPEAT:  # where the tokens that followed reach the end, they repeat with their period
@@ -366,6 +368,7 @@ def _kernels():
             count = tl.minimum(tl.maximum(length - follow, 0), gamma)
         tl.store(PROP + r * gamma + g, tl.load(row + tl.minimum(at, S - 1) * shs), mask=g < gamma)
         tl.store(COUNT + r, tl.where(found, count, 0))
+        tl.store(MATCH + r, matched)
 
     return types.SimpleNamespace(kv_write=kv_write_kernel, argmax_partial=argmax_partial, argmax_final=argmax_final,
                                  rope_kv_write=rope_kv_write_kernel, uniform=uniform_kernel,
@@ -509,9 +512,9 @@ LOOKUP_BLOCK = 1024  # history positions a program of lookup_propose compares at
 
 
 def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max_n: int, min_n: int,
-                   repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`engine.lookup.propose` in one launch, the same tensors bit for bit: (proposals (b, gamma) of history's
-    dtype, counts (b,) int64). In torch it is about 20 small kernels for each n (shifted comparisons, a masked
+                   repeat: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`engine.lookup.propose(..., with_match=True)` in one launch, the same tensors bit for bit: (proposals
+    (b, gamma) of history's dtype, counts (b,) int64, the n each row's match has (b,) int64). In torch it is about 20 small kernels for each n (shifted comparisons, a masked
     maximum, gathers), each a node of a lookup round's graph. None for calls it does not serve."""
     if (not ENABLED or not available() or not served(history, lengths) or history.dim() != 2
             or history.dtype not in (torch.int64, torch.int32) or lengths.shape != history.shape[:1]
@@ -520,11 +523,13 @@ def lookup_propose(history: torch.Tensor, lengths: torch.Tensor, gamma: int, max
     b, s = history.shape
     proposals = torch.empty(b, gamma, device=history.device, dtype=history.dtype)
     counts = torch.empty(b, device=history.device, dtype=torch.int64)
+    matched = torch.empty(b, device=history.device, dtype=torch.int64)
     if b:
-        _kernels().lookup_propose[(b,)](history, lengths, proposals, counts, s, *history.stride(), lengths.stride(0),
+        _kernels().lookup_propose[(b,)](history, lengths, proposals, counts, matched, s, *history.stride(),
+                                        lengths.stride(0),
                                         gamma, MAX_N=max_n, MIN_N=min_n, BLOCK=LOOKUP_BLOCK, REPEAT=repeat,
                                         GP=max(2, 1 << (gamma - 1).bit_length()), num_warps=4, **pdl(history))
-    return proposals, counts
+    return proposals, counts, matched
 
 
 def uniform(state: torch.Tensor, offset: int, rows: int, per_row: int) -> torch.Tensor | None:

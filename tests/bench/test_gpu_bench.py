@@ -411,6 +411,30 @@ def test_lookup_max_n_rows_look_up_longer_ngrams_side_by_side(tiny_target):
     assert not [name for name in dict(lookup_rows(bench, workload, None, "", best)) if "n up to" in name]
 
 
+def test_lookup_allot_rows_run_allotted_rounds_side_by_side_with_plain_tokens(tiny_target):
+    """--lookup-allot: lookup alone at the largest gamma (overlapped) and the service's setting again with allotted
+    rounds (LookupDraft(allot=True)), plain decoding's tokens; without it, no such rows."""
+    from bench.gpu import lookup_rows
+
+    bench = bench_on(tiny_target, lookup=(3, 5), lookup_allot=True)
+    prompts = [[1, 2, 3, 1, 2, 3, 1], [5, 6, 7, 8], [4, 4, 2, 4, 4], [9, 3, 9, 3]]
+    workload = (prompts, ["code"] * 4, 12, True, 4)
+    best = {"code": tiny_draft(tiny_target)}
+    rows = dict(lookup_rows(bench, workload, None, "", best))
+    allotted = [name for name in rows if ", allotted" in name]
+    assert allotted == ["FlashSpec lookup, gamma 5, overlapped, allotted",
+                        "FlashSpec best drafts or lookup (governor's choice), adaptive gamma, governor, overlapped, "
+                        "allotted"]
+    alone, default = rows[allotted[0]](), rows["FlashSpec lookup, gamma 5, overlapped"]()
+    assert alone.eng.drafts["code"].allot and not default.eng.drafts["code"].allot
+    assert rows[allotted[1]]().eng.drafts["lookup"].allot
+    for row in (alone, default):
+        row.timed_pass()
+    assert [o.token_ids for o in alone.outs] == [o.token_ids for o in default.outs]
+    bench.args.lookup_allot = False
+    assert not [name for name in dict(lookup_rows(bench, workload, None, "", best)) if ", allotted" in name]
+
+
 def test_vocab_config_rows_run_under_their_launch_setting_and_restore_it(tiny_target):
     """--vocab-config t=0: lookup alone at the largest gamma (overlapped) and the service's setting again, every model
     call of theirs (warm-up and timed passes) under the vocabulary launch setting, the other rows' under the default;

@@ -1722,6 +1722,42 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
+def test_allotted_lookup_rounds_give_each_row_its_own_gamma_within_the_batch_s_tokens_and_plain_tokens(tiny, monkeypatch,
+                                                                                                     graphs, overlap):
+    """`LookupDraft(allot=True)`: a greedy batch's round gives each row its own gamma (up to ALLOT_MAX_GAMMA) by its
+    match's n, the rows' gammas summing to the bucket's gamma-5 round's tokens less a pending token a row; the rows'
+    chains run as one packed pass. Plain decoding's tokens, eagerly, as graphs and chained; a lone row runs its
+    usual round."""
+    from engine import lookup as lookup_mod
+    from engine.lookup import ALLOT_MAX_GAMMA, LookupDraft
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1], [2, 2, 5, 1, 3], [4, 6]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (40, 60, 30, 50, 45)]
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(small, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+                       overlap=overlap)
+    eng.add_draft("lookup", LookupDraft(allot=True))
+    rounds, real = [], lookup_mod.allotted_result
+    monkeypatch.setattr("engine.scheduler.allotted_result", lambda packed: rounds.append(packed) or real(packed))
+    outs = generate(eng, prompts, params, "lookup")
+    assert [o.token_ids for o in outs] == want
+    assert rounds and all(len(p) == ALLOT_MAX_GAMMA + 3 for packed in rounds for p in packed)
+    gammas = [p[-1] for packed in rounds for p in packed]
+    assert len(set(gammas)) > 2 and max(gammas) > 5  # rows' own gammas, some past the uniform round's
+    # A full batch of 4 rows: its gammas sum to the verify tokens of a round of 5 (4 x 6) less its 4 pending tokens.
+    full = [packed for packed in rounds if len(packed) == 4]
+    assert full and all(sum(p[-1] for p in packed) == 4 * 5 for packed in full)
+    assert all(p[0] <= p[-1] for packed in rounds for p in packed)  # never more accepted than allotted
+    assert sum(o.stats.emitted for o in outs) / sum(o.stats.rounds for o in outs) > 2.0
+    if graphs:
+        kinds = {k[1] for k in eng.graphs.graphs if k[0] == "lookup-round"}
+        assert ("allotted", 5) in kinds and "greedy" in kinds, kinds  # a lone row at the end: its usual round
+    with pytest.raises(ValueError, match="greedy rows only"):
+        lookup_mod.launch_lookup_round(eng, [], 12, 64, greedy=False, allotted=5)
+
+
+@pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
 def test_a_lone_lookup_row_proposes_its_streak_gamma_after_a_round_that_accepted_everything(tiny, monkeypatch, graphs,
                                                                                            overlap):
     """A lone greedy lookup row's round proposes the streak gamma (15) where its last committed round accepted every

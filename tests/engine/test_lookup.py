@@ -63,6 +63,8 @@ def test_it_runs_inside_a_graph_shaped_call_and_refuses_bad_settings():
     assert proposals[0].tolist() == [3, 1, 2]  # "1 2" occurred: what followed it
     assert proposals[1].tolist() == [4, 4, 4]  # a run: its one token, repeated, not just the one seen after "4 4 4"
     assert proposals[2].tolist() == [8, 2, 1]  # no 3- or 2-gram occurred; the last token alone did
+    _, _, matched = propose(history, torch.tensor([5, 4, 5, 2]), 3, with_match=True)
+    assert matched.tolist() == [2, 3, 1, 0]  # the n each row's match has ("4 4 4": the 3-gram, max_n 3)
     with pytest.raises(ValueError, match="gamma"):
         propose(history, torch.tensor([5, 4]), 0)
     with pytest.raises(ValueError, match="min_n"):
@@ -119,3 +121,26 @@ def test_the_shadow_replays_the_rounds_lookup_would_run_whatever_the_tokens_come
         LookupShadow([1, 2], 0)
     with pytest.raises(ValueError, match="lag"):
         LookupShadow([1, 2], 3, streak_gamma=5, lag=0)
+
+
+def test_an_allotted_round_gives_its_budget_to_the_rows_likeliest_to_keep_their_tokens():
+    """`allot`: the budget's tokens less one a row, to the (row, depth) pairs the table rates likeliest, a row's
+    deeper tokens only after its shallower ones; each row at most max_gamma."""
+    from engine.lookup import ALLOT_TABLE, allot
+
+    matched = torch.tensor([6, 1, 0, 3, 6, 2, 4, 1])
+    gammas = allot(matched, 8 * 6, 12)  # the verify tokens of a gamma-5 round of 8 rows
+    assert gammas.sum().item() == 8 * 5 and gammas.max().item() <= 12
+    by_n = {n: g for n, g in zip(matched.tolist(), gammas.tolist())}
+    assert by_n[6] >= by_n[4] >= by_n[3] >= by_n[2] >= by_n[1] >= by_n[0], by_n  # the table's order of n
+    assert by_n[6] > 5 > by_n[1]  # a long match proposes more than the uniform round's 5, a one-token one less
+    # Every token allotted is rated at least as likely kept as every token left out.
+    table = torch.tensor(ALLOT_TABLE).cummin(dim=1).values
+    kept = [table[n, g - 1].item() for n, g in zip(matched.tolist(), gammas.tolist()) if g]
+    left = [table[n, g].item() for n, g in zip(matched.tolist(), gammas.tolist()) if g < 12]
+    assert min(kept) >= max(left)
+    # A table rating every depth alike: every row the same gamma, the uniform round.
+    assert allot(matched, 8 * 6, 12, table=[[0.5] * 12] * 7).tolist() == [5] * 8
+    assert allot(torch.tensor([6, 6]), 2 * 6, 3).tolist() == [3, 3]  # at most max_gamma a row, however large the budget
+    with pytest.raises(ValueError, match="budget"):
+        allot(matched, 7, 5)

@@ -453,9 +453,10 @@ for b, s, vocab in ((3, 40, 4), (5, 1500, 3), (2, 7, 2)):  # few distinct tokens
             for rows in (history, history[1:], history[:, : s - 1]):  # whole, a slice of rows, a strided view
                 n = lengths[: rows.shape[0]].clamp(max=rows.shape[1])
                 fast = triton_kernels.lookup_propose(rows, n, gamma, max_n, min_n, repeat)
-                ref = torch_propose(rows, n, gamma, max_n, min_n, repeat)
-                assert fast is not None and all(torch.equal(f, r) for f, r in zip(fast, ref)), (b, s, gamma, max_n)
-                assert fast[0].dtype == ref[0].dtype and fast[1].dtype == ref[1].dtype
+                ref = torch_propose(rows, n, gamma, max_n, min_n, repeat, True)
+                assert fast is not None and len(fast) == len(ref) == 3
+                assert all(torch.equal(f, r) for f, r in zip(fast, ref)), (b, s, gamma, max_n)
+                assert [f.dtype for f in fast] == [r.dtype for r in ref]
 assert lookup.propose(torch.tensor([[1, 2, 9, 1, 2]]), torch.tensor([5]), 3)[1].tolist() == [3]  # found: "9 1 2"
 assert triton_kernels.lookup_propose(history, lengths, 0, 3, 1) is None  # what it does not serve: torch's path
 print("ok")

@@ -11,7 +11,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_the_one_launch_proposer_gives_the_torch_rule_s_proposals_on_the_gpu():
-    """triton_kernels.lookup_propose against `propose`'s torch rule, both rules (repeat or not), n 3..1, 3..2, 6..1."""
+    """triton_kernels.lookup_propose against `propose`'s torch rule (proposals, counts, the n matched), both rules
+    (repeat or not), n 3..1, 3..2, 6..1."""
     from engine import triton_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -23,10 +24,10 @@ def test_the_one_launch_proposer_gives_the_torch_rule_s_proposals_on_the_gpu():
                 fast = triton_kernels.lookup_propose(history, lengths, gamma, max_n, min_n, repeat)
                 triton_kernels.ENABLED = False
                 try:
-                    ref = propose(history, lengths, gamma, max_n, min_n, repeat)
+                    ref = propose(history, lengths, gamma, max_n, min_n, repeat, with_match=True)
                 finally:
                     triton_kernels.ENABLED = True
-                assert fast is not None and torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+                assert fast is not None and all(torch.equal(f, r) for f, r in zip(fast, ref, strict=True))
 
 
 def test_proposals_from_a_graph_replay_equal_eager_ones_for_new_histories():
