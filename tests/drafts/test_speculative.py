@@ -1773,8 +1773,8 @@ def test_a_lone_lookup_row_proposes_its_streak_gamma_after_a_round_that_accepted
     want = generate(DecodeEngine(small, None, max_batch_size=1, max_seq_len=256), prompts, params)[0].token_ids
     launched, real = [], scheduler.launch_lookup_round
 
-    def record(eng, slots, gamma, kv_len, greedy=True, pending=None, pos0=None):
-        packed, p0 = real(eng, slots, gamma, kv_len, greedy, pending=pending, pos0=pos0)
+    def record(eng, slots, gamma, kv_len, greedy=True, pending=None, pos0=None, allotted=None):
+        packed, p0 = real(eng, slots, gamma, kv_len, greedy, pending=pending, pos0=pos0, allotted=allotted)
         launched.append((gamma, packed, pending is not None))  # chained: launched before the round before was read
         return packed, p0
 
