@@ -554,7 +554,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
     the general loop; bs 8 of one draft; bs 1; plain decoding at bs 8 and 1; bs 1 and plain bs 8 overlapped,
     `DecodeEngine(overlap=True)`; bs 1 draft trees of width 2 and 3, `SpecConfig.tree_width`; n-gram lookup rounds,
     `engine.lookup`, at bs 1 and 8, sequential and overlapped, and at bs 8 overlapped through the scattered rows'
-    graphs). After a warm-up pass, a timed
+    graphs and with allotted rounds, `LookupDraft(allot=True)`). After a warm-up pass, a timed
     pass counts each CUDA graph's replays; each graph is then timed alone (back to back and waited for), so
     `graphs_ms` (replays x synced ms) against the pass's wall time is the host's share. The two costliest
     graphs of each case get a kernel table from one eager run of their step, after every case is timed; a tree
@@ -585,7 +585,8 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
              ("bs 1, code draft, tree 3", 1, "code", True, False, 3),
              ("bs 1, lookup", 1, "lookup", True, False, 1), ("bs 1, lookup, overlapped", 1, "lookup", True, True, 1),
              ("bs 8, lookup", 8, "lookup", True, False, 1), ("bs 8, lookup, overlapped", 8, "lookup", True, True, 1),
-             ("bs 8, lookup, overlapped, rows scattered", 8, "lookup", True, True, 1)]
+             ("bs 8, lookup, overlapped, rows scattered", 8, "lookup", True, True, 1),
+             ("bs 8, lookup, overlapped, allotted", 8, "lookup-allot", True, True, 1)]
     if only:
         unknown = set(only) - {c[0] for c in cases}
         if unknown:
@@ -611,6 +612,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         for name, draft in drafts.items():
             eng.add_draft(name, draft)
         eng.add_draft("lookup", LookupDraft())
+        eng.add_draft("lookup-allot", LookupDraft(allot=True))  # each row its own gamma (`launch_lookup_round`)
         # Rows 0..b-1 through the graphs scattered rows take (the rows a graph input, gathered by index), as rows
         # admitted into rows freed out of order run (`DecodeEngine.run_graph`): what that path costs, same rounds.
         eng._scatter_rows = label.endswith(", rows scattered")
@@ -654,7 +656,7 @@ def engine_graphs(attention: str, kind: str = "long", top: int = 8, only: list[s
         if ", tree " in label and chain is not None:
             print(f"{label}, round less the chain's (same gamma):", flush=True)
             print_kernel_diff(by, chain, top, "    ")
-        plain = costliest.get(label.replace(", rows scattered", "").replace("lookup", "plain"))
+        plain = costliest.get(label.replace(", rows scattered", "").replace(", allotted", "").replace("lookup", "plain"))
         if ", lookup" in label and plain is not None:  # where a lookup round's time over a plain step goes
             print(f"{label}, round less the plain step's (same rows):", flush=True)
             print_kernel_diff(by, plain, top, "    ")
