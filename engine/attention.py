@@ -20,9 +20,9 @@ log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
-    """A backend may also offer `attend_rows(q, cache_k, cache_v, rows, kv_len, mask, positions)`: the same
-    attention read in place from whole cache layers for scattered cache rows (B,), or None where it does not
-    serve the call (`engine.model.cached_attention`).
+    """A backend may also offer `attend_rows(q, cache_k, cache_v, rows, kv_len, mask, positions, qidx=None)`: the
+    same attention read in place from whole cache layers for scattered cache rows (B,), or None where it does not
+    serve the call (`engine.model.cached_attention`); with `qidx`, for packed queries (`engine.model.PackedRows`).
 
     `positions` (B, T), where given, are the queries' positions in a cache whose slot is the position: a
     backend with `bounds_by_position` reads no slot past a row's last position (the mask hides them anyway),
@@ -90,11 +90,12 @@ class TritonBackend:
         """Whether the kernel serves this process's steps (CUDA; not Triton's CPU interpreter)."""
         return torch.cuda.is_available()
 
-    def attend_rows(self, q, cache_k, cache_v, rows, kv_len, mask, positions=None):
+    def attend_rows(self, q, cache_k, cache_v, rows, kv_len, mask, positions=None, qidx=None):
         """Attention over the first kv_len slots of cache rows `rows` (B,) of whole cache layers, read in place;
         None where the kernel does not serve the call (CPU tensors outside Triton's interpreter included: the
-        caller then gathers the rows and calls the backend)."""
-        return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len, positions=positions)
+        caller then gathers the rows and calls the backend). `qidx` (B, T): packed queries q (N, Hq, 1, D) and
+        output, row b's token t at qidx[b, t] (`triton_attention`; `engine.model.PackedRows`)."""
+        return self._kernel(q, cache_k, cache_v, mask, rows=rows, kv_len=kv_len, positions=positions, qidx=qidx)
 
 
 class FlashInferBackend:

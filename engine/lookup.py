@@ -16,6 +16,7 @@ inside a captured CUDA graph, and each round's proposals can come from the round
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 
@@ -320,6 +321,7 @@ def allotted_verify(eng, pending: torch.Tensor, pos0: torch.Tensor, proposals: t
     its own position (a row's tokens see the tokens before them in the cache: every layer writes the pass's keys
     and values before it attends). Greedy: each row keeps the longest prefix of its allotted proposal the target's
     argmaxes match, and the target's next token."""
+    from engine.model import PackedRows
     from engine.triton_kernels import argmax
     from engine.verify import VerifyResult
 
@@ -332,10 +334,18 @@ def allotted_verify(eng, pending: torch.Tensor, pos0: torch.Tensor, proposals: t
     # gammas sum to budget - b where top x b reaches that, which the caller ensures).
     order = torch.where(chain[None] <= gammas[:, None], flat, b * width).flatten().sort().values[:budget]
     row_of, depth = order // width, order % width
-    cache_rows = (torch.arange(rows.start, rows.stop, device=pos0.device) if isinstance(rows, slice) else rows)[row_of]
+    rows = torch.arange(rows.start, rows.stop, device=pos0.device) if isinstance(rows, slice) else rows
     tokens = torch.cat([pending[:, None], proposals], dim=1).flatten()[order]
-    logits = eng.model(tokens[:, None], (pos0[row_of] + depth)[:, None], cache=eng.cache, rows=cache_rows,
-                       kv_len=kv_len).logits  # (budget, 1, V)
+    positions = (pos0[row_of] + depth)[:, None]
+    # Where the attention backend takes packed queries (the Triton kernel), each cache row's tokens attend as one
+    # tile over its keys and values, read once (`PackedRows`); elsewhere each token row attends on its own.
+    chains = pos0[:, None] + chain[None]  # (b, width): the positions a row's chain may hold
+    qidx = torch.full((b * width,), -1, dtype=torch.long, device=pos0.device).scatter_(
+        0, order, torch.arange(budget, device=pos0.device)).view(b, width)
+    ctx = dataclasses.replace(eng.model.context(positions, eng.cache, rows[row_of], kv_len),
+                              pack=PackedRows(rows, qidx, chains, eng.cache.visibility(chains, rows, kv_len)))
+    logits = eng.model(tokens[:, None], positions, cache=eng.cache, rows=rows[row_of], kv_len=kv_len,
+                       ctx=ctx).logits  # (budget, 1, V)
     target = torch.zeros(b * width, dtype=torch.long, device=pos0.device).scatter_(0, order, argmax(logits[:, 0]))
     target = target.view(b, width)
     matches = ((proposals == target[:, :top]) & (chain[None, :top] < gammas[:, None])).long()

@@ -87,6 +87,12 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | 
         cache.write(cache_layer, ctx.rows, ctx.write_pos, k, v)
     positions = ctx.write_pos if cache.slot_is_position else None  # a backend may stop at each row's last one
     attend_rows = getattr(ctx.backend, "attend_rows", None)
+    pack = ctx.pack
+    if pack is not None and attend_rows is not None and cache.reads_in_place and cache.slot_is_position:
+        out = attend_rows(q, cache.k[cache_layer], cache.v[cache_layer], pack.rows, ctx.kv_len, pack.mask,
+                          pack.positions, qidx=pack.qidx)
+        if out is not None:
+            return out
     if attend_rows is not None and isinstance(ctx.rows, torch.Tensor) and cache.reads_in_place:
         out = attend_rows(q, cache.k[cache_layer], cache.v[cache_layer], ctx.rows, ctx.kv_len, ctx.mask, positions)
         if out is not None:
@@ -281,11 +287,26 @@ class StepContext:
     kv_len: int
     backend: AttentionBackend
     slots: torch.Tensor | None = None
+    pack: "PackedRows | None" = None
 
     @property
     def write_pos(self) -> torch.Tensor:
         """(B, T) the cache slots this pass writes (and, where slot == position, the last one each row sees)."""
         return self.input_pos if self.slots is None else self.slots
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """A pass of one token a batch row whose tokens are cache rows' chains of new tokens (an allotted lookup round,
+    `engine.lookup.allotted_verify`): `rows` (R,) the cache rows, `qidx` (R, T) the pass's row of each one's token t
+    (-1: none), `positions` (R, T) their positions, `mask` (R, 1, T, kv_len) what each sees. A backend with packed
+    attention (`attend_rows(..., qidx=)`, the Triton kernel) attends a cache row's tokens as one tile, reading its
+    keys and values once; elsewhere each token row attends on its own (the same attention, by position)."""
+
+    rows: torch.Tensor
+    qidx: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
 
 
 @dataclasses.dataclass

@@ -44,14 +44,14 @@ def _kernels():
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def attend(Q, K, V, M, O, LSE, ROWS, POS, OUT, CNT,
+    def attend(Q, K, V, M, O, LSE, ROWS, POS, OUT, CNT, QIDX,
                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, smb, smt, sms,
                sob, soh, sot, sod, so_split, slb, slh, slt, sl_split, spb, spt, sfb, sfh, sft, sfd,
                T, S, per_split, n_split, scale,
                G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                IEEE: tl.constexpr, SPLIT: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_POS: tl.constexpr,
                BLOCK_T: tl.constexpr, PDL: tl.constexpr = False, INLINE_MERGE: tl.constexpr = False,
-               FENCE: tl.constexpr = False):
+               FENCE: tl.constexpr = False, HAS_QIDX: tl.constexpr = False):
         if PDL:  # programmatic dependent launch (engine.triton_kernels.pdl)
             gdc_wait()
             gdc_launch_dependents()
@@ -67,7 +67,10 @@ def _kernels():
             # its filled slots (whole blocks each); splits past them exit at once. So a graph captured over the
             # whole cache reads only what the row has filled, whatever its length at replay.
             tt = tl.arange(0, BLOCK_T)
-            limit = tl.max(tl.load(POS + b * spb + tt * spt, mask=tt < T, other=0), 0) + 1
+            used = tt < T
+            if HAS_QIDX:  # only the row's packed queries: past its chain the slots may hold anything
+                used = used & (tl.load(QIDX + b * T + tt, mask=used, other=-1) >= 0)
+            limit = tl.max(tl.load(POS + b * spb + tt * spt, mask=used, other=0), 0) + 1
             limit = tl.minimum(limit, S).to(tl.int32)
             per = tl.cdiv(tl.cdiv(limit, BLOCK_N), n_split) * BLOCK_N
         else:
@@ -79,7 +82,13 @@ def _kernels():
         t = m % T  # new token
         live = m < G * T
         h = hk * G + g
-        q = tl.load(Q + b * sqb + h[:, None] * sqh + t[:, None] * sqt + d[None, :] * sqd, mask=live[:, None], other=0.0)
+        if HAS_QIDX:  # packed queries: row b's token t is query QIDX[b, t] of Q (N, Hq, 1, D) (-1: none)
+            qi = tl.load(QIDX + b * T + t, mask=live, other=-1).to(tl.int64)
+            live = live & (qi >= 0)
+            q_at = qi[:, None] * sqb + h[:, None] * sqh
+        else:
+            q_at = b * sqb + h[:, None] * sqh + t[:, None] * sqt
+        q = tl.load(Q + q_at + d[None, :] * sqd, mask=live[:, None], other=0.0)
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
@@ -141,14 +150,19 @@ def _kernels():
                     f_ptr = OUT + b * sfb + h[:, None] * sfh + t[:, None] * sft + d[None, :] * sfd
                     tl.store(f_ptr, merged.to(OUT.dtype.element_ty), mask=live[:, None])
                     tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+        elif HAS_QIDX:  # O is the packed output (N, Hq, 1, D)
+            tl.store(O + qi[:, None] * sob + h[:, None] * soh + d[None, :] * sod, out.to(O.dtype.element_ty),
+                     mask=live[:, None])
         else:
             tl.store(o_ptr, out.to(O.dtype.element_ty), mask=live[:, None])
 
     @triton.jit
-    def merge(P, LSE, O, n_split, sp_o, sp_l, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False):
+    def merge(P, LSE, O, n_split, sp_o, sp_l, QIDX, HQ, D: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr = False,
+              HAS_QIDX: tl.constexpr = False):
         """Partial outputs P (splits, R, D) with log-sum-exps LSE (splits, R) -> O (R, D), rows in (b, t, head)
         order; one program per row, every split loaded at once (a step's merge is latency, not work: no loop
-        of dependent loads)."""
+        of dependent loads). HAS_QIDX: O is packed (N, HQ, D), row (b, t, head) going to QIDX[b, t] (none
+        where -1)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -162,7 +176,11 @@ def _kernels():
         w = tl.where(lse > -1.0e29, tl.exp(lse - m), 0.0)
         total = tl.sum(w, 0)
         out = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-        tl.store(O + r * D + d, out.to(O.dtype.element_ty))
+        if HAS_QIDX:
+            qi = tl.load(QIDX + r // HQ).to(tl.int64)
+            tl.store(O + (qi * HQ + r % HQ) * D + d, out.to(O.dtype.element_ty), mask=(d * 0 + qi) >= 0)
+        else:
+            tl.store(O + r * D + d, out.to(O.dtype.element_ty))
 
     return attend, merge
 
@@ -197,9 +215,15 @@ def _splits(batch_heads: int, slots: int) -> int:
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      splits: int | None = None, rows: torch.Tensor | None = None,
-                     kv_len: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+                     kv_len: int | None = None, positions: torch.Tensor | None = None,
+                     qidx: torch.Tensor | None = None) -> torch.Tensor | None:
     """q (B, Hq, T, D); k, v (B, Hkv, S, D); mask (B, 1, T, S) bool (True = visible) -> (B, Hq, T, D),
     or None when the kernel does not serve this call (use SDPA).
+
+    With `qidx` (B, T) int64 (with `rows`): the queries are packed, q (N, Hq, 1, D), row b's token t being
+    q[qidx[b, t]] (-1: none), and so is the output (N, Hq, 1, D): rows whose chains of new tokens differ in
+    length (an allotted lookup round, `engine.lookup.allotted_verify`) attend as one tile a row, each row's
+    keys and values read once, where one token a row would read them once a token.
 
     With `rows` (B,) int64: k and v are a whole cache layer (R, Hkv, S_max, D), batch row b attends the
     first `kv_len` slots of cache row rows[b] in place: no gathered copy of the rows' keys and values
@@ -210,6 +234,10 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     of the S slots are skipped, not masked. S can then be the whole cache, and one CUDA graph serves every
     sequence length (`DecodeEngine.kv_bucket`)."""
     bsz, hq, t, d = q.shape
+    if qidx is not None:  # packed queries (N, Hq, 1, D): B rows of T tokens, as qidx says
+        if rows is None or qidx.dim() != 2 or qidx.dtype != torch.long or t != 1:
+            return None
+        (bsz, t), qidx = qidx.shape, qidx.contiguous()
     hkv = k.shape[1]
     s = k.shape[2] if rows is None else kv_len
     group = hq // hkv
@@ -217,7 +245,8 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not (k.dtype == v.dtype == q.dtype)
             or mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[-1] != s
             or (rows is not None and (rows.shape != (bsz,) or rows.dtype != torch.long or s > k.shape[2]))
-            or (positions is not None and positions.shape != (bsz, t))):
+            or (positions is not None and positions.shape != (bsz, t))
+            or (qidx is not None and mask.shape[:3] != (bsz, 1, t))):
         return None
     attend, merge = _kernels()
     block_m = max(16, 1 << (group * t - 1).bit_length())
@@ -229,30 +258,36 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # else: each program splits its row's filled slots (in whole blocks) among the n_split programs itself
     m8 = mask.view(torch.uint8)
     mb, _, mt, ms = m8.stride()
+    packed = qidx is not None
     common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
                   HAS_ROWS=rows is not None, HAS_POS=positions is not None,
-                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), num_warps=4, **pdl(q))
+                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), HAS_QIDX=packed, num_warps=4, **pdl(q))
+    qidx_ptr = qidx if packed else q  # unread without HAS_QIDX
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))
     scale = d ** -0.5
     # The output is laid out (B, T, Hq, D) and returned as its (B, Hq, T, D) view: the o_proj input
     # out.transpose(1, 2).reshape(B * T, Hq * D) is then a view, not a copy kernel a layer (verify and draft
     # steps, T > 1). Partial results are laid out the same way, so the merge writes rows in that order.
-    out = torch.empty(bsz, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    if packed:  # (N, Hq, 1, D), laid out (N, 1, Hq, D) as the unpacked output is
+        out = torch.empty(q.shape[0], 1, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    else:
+        out = torch.empty(bsz, t, hq, d, device=q.device, dtype=q.dtype).transpose(1, 2)
     if n_split == 1:
-        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, out, q, *q.stride(), *k.stride(), *v.stride(), mb,
+        attend[(bsz, hkv, 1)](q, k, v, m8, out, out, row_ptr, pos_ptr, out, q, qidx_ptr, *q.stride(), *k.stride(),
+                              *v.stride(), mb,
                               mt, ms, *out.stride(), 0, 0, 0, 0, 0, *pos_strides, *out.stride(), t, s, per_split, 1, scale,
                               SPLIT=False, **common)
         return out
     part = torch.empty(n_split, bsz, t, hq, d, device=q.device, dtype=torch.float32).transpose(2, 3)
     lse = torch.empty(n_split, bsz, t, hq, device=q.device, dtype=torch.float32).transpose(2, 3)
-    counts = _merge_counts(q.device, bsz * hkv) if INLINE_MERGE else None
+    counts = _merge_counts(q.device, bsz * hkv) if INLINE_MERGE and not packed else None
     attend[(bsz, hkv, n_split)](q, k, v, m8, part, lse, row_ptr, pos_ptr, out, counts if counts is not None else q,
-                                *q.stride(), *k.stride(), *v.stride(), mb, mt, ms, *part.stride()[1:], part.stride(0),
+                                qidx_ptr, *q.stride(), *k.stride(), *v.stride(), mb, mt, ms, *part.stride()[1:], part.stride(0),
                                 *lse.stride()[1:], lse.stride(0), *pos_strides, *out.stride(), t, s, per_split, n_split,
                                 scale, SPLIT=True, INLINE_MERGE=counts is not None, FENCE=counts is not None and q.is_cuda,
                                 **common)
     if counts is None:
-        merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), D=d,
-                               SP=max(2, 1 << (n_split - 1).bit_length()), num_warps=1, **pdl(q))
+        merge[(bsz * hq * t,)](part, lse, out, n_split, part.stride(0), lse.stride(0), qidx_ptr, hq, D=d,
+                               SP=max(2, 1 << (n_split - 1).bit_length()), HAS_QIDX=packed, num_warps=1, **pdl(q))
     return out

@@ -199,3 +199,67 @@ def test_flashinfer_backend_without_the_package_runs_sdpa_and_says_so(monkeypatc
     with caplog.at_level("WARNING"):
         assert make_backend("flashinfer").name == "sdpa"
     assert "flashinfer-python" in caplog.text
+
+
+PACKED = """
+import torch, torch.nn.functional as F
+from engine.triton_attention import triton_attention
+torch.manual_seed(0)
+# Three cache rows' chains of 4, 1 and 3 new tokens packed into 8 query rows of one token (an allotted lookup
+# round's pass): each row's chain as one tile (qidx), against SDPA over each token alone by position.
+hq, hkv, d, full, width = 6, 2, 16, 300, 4
+ck, cv = torch.randn(5, hkv, full, d), torch.randn(5, hkv, full, d)
+rows, lengths, pos0 = torch.tensor([4, 1, 2]), [4, 1, 3], torch.tensor([100, 20, 250])
+order = [r * width + j for r, n in enumerate(lengths) for j in range(n)]
+qidx = torch.full((3 * width,), -1).scatter_(0, torch.tensor(order), torch.arange(len(order))).view(3, width)
+chains = pos0[:, None] + torch.arange(width)
+q = torch.randn(len(order), hq, 1, d)
+for r in range(3):  # slots past a chain's last position hold NaN: never read by a live query
+    ck[rows[r], :, pos0[r] + lengths[r]:] = float("nan")
+    cv[rows[r], :, pos0[r] + lengths[r]:] = float("nan")
+mask = torch.arange(full)[None, None, None, :] <= chains[:, None, :, None]
+ref = []
+for n, o in enumerate(order):
+    r, j = divmod(o, width)
+    p = int(pos0[r]) + j
+    k, v = ck[rows[r], :, :p + 1][None], cv[rows[r], :, :p + 1][None]
+    ref.append(F.scaled_dot_product_attention(q[n:n + 1], k, v, enable_gqa=True))
+ref = torch.cat(ref)
+for splits in (None, 1, 3):
+    out = triton_attention(q, ck, cv, mask, splits=splits, rows=rows, kv_len=full, positions=chains, qidx=qidx)
+    assert out is not None and out.shape == q.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert out.transpose(1, 2).is_contiguous()
+assert triton_attention(q, ck, cv, mask, rows=None, kv_len=full, positions=chains, qidx=qidx) is None  # rows needed
+assert triton_attention(q, ck, cv, mask[:2], rows=rows, kv_len=full, positions=chains, qidx=qidx) is None
+
+# Through the engine: allotted lookup rounds on the Triton backend (packed attention) give plain decoding's tokens.
+from engine.config import ModelArgs
+from engine.generate import generate
+from engine.lookup import LookupDraft
+from engine.model import Transformer
+from engine.sampling import SamplingParams
+from engine.scheduler import DecodeEngine
+from engine.speculative import SpecConfig
+args = ModelArgs(model_type="llama", vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128)
+model = Transformer(args, max_seq_len=128).eval().set_attention_backend("triton")
+packed = []
+kernel = model.backend._kernel
+model.backend._kernel = lambda *a, **kw: packed.append(kw.get("qidx") is not None) or kernel(*a, **kw)
+prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1], [2, 2, 5, 1, 3], [4, 6]]
+params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (24, 30, 20, 28, 26)]
+with torch.no_grad():
+    want = [o.token_ids for o in generate(DecodeEngine(model, None, max_batch_size=4, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(model, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5))
+    eng.add_draft("lookup", LookupDraft(allot=True))
+    got = [o.token_ids for o in generate(eng, prompts, params, "lookup")]
+assert got == want, (got, want)
+assert any(packed), "no packed attention call"
+print("ok")
+"""
+
+
+def test_packed_queries_attend_as_each_token_alone_and_allotted_rounds_keep_plain_tokens_in_the_interpreter(
+        triton_interpreter):
+    triton_interpreter(PACKED)
