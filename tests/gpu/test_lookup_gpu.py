@@ -83,6 +83,43 @@ def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, 
     assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_allotted_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, attention):
+    """LookupDraft(allot=True): each row's own gamma within its batch's tokens, the rows' chains packed one token a
+    pass row; captured (and chained with overlap), scattered rows included; on the Triton backend a row's chain
+    attends as one tile (packed queries). Plain decoding's tokens (fp32: exact)."""
+    from engine.config import ModelArgs
+    from engine.generate import generate
+    from engine.lookup import LookupDraft
+    from engine.model import Transformer
+    from engine.sampling import SamplingParams
+    from engine.scheduler import DecodeEngine
+    from engine.speculative import SpecConfig
+
+    torch.manual_seed(0)
+    args = ModelArgs(model_type="llama", vocab_size=8, hidden_size=64, intermediate_size=128, num_layers=4,
+                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    prompts = [[1, 2, 3, 4, 5], [7, 0, 6], [2, 2, 5, 1, 0, 3, 4], [3, 3, 3, 3], [6, 1]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (60, 23, 47, 60, 31)]
+    with torch.device("cuda"):
+        target = Transformer(args, max_seq_len=512).eval().requires_grad_(False)
+    target.set_attention_backend(attention)
+    plain = generate(DecodeEngine(target, None, max_batch_size=4, max_seq_len=128), prompts, params)
+    packed = []
+    if attention == "triton":
+        kernel = target.backend._kernel
+        target.backend._kernel = lambda *a, **kw: packed.append(kw.get("qidx") is not None) or kernel(*a, **kw)
+    eng = DecodeEngine(target, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), overlap=overlap)
+    eng.add_draft("lookup", LookupDraft(allot=True))
+    got = generate(eng, prompts, params, "lookup")
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    kinds = {k[1] for k in eng.graphs.graphs if k[0] == "lookup-round"}
+    assert ("allotted", 5) in kinds, kinds
+    assert any(packed) == (attention == "triton")
+    assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
+
+
 def test_sampled_lookup_rounds_as_graphs_give_the_eager_rounds_tokens():
     """Seeded sampled rows naming a LookupDraft: the captured (and chained) rounds draw what the eager ones do."""
     from engine.config import ModelArgs
