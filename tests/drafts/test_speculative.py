@@ -1753,6 +1753,13 @@ def test_allotted_lookup_rounds_give_each_row_its_own_gamma_within_the_batch_s_t
     if graphs:
         kinds = {k[1] for k in eng.graphs.graphs if k[0] == "lookup-round"}
         assert ("allotted", 5) in kinds and "greedy" in kinds, kinds  # a lone row at the end: its usual round
+        warm = DecodeEngine(small, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs=graphs,
+                            overlap=overlap)
+        warm.add_draft("lookup", LookupDraft(allot=True))
+        assert warm.warmup(sampling=("greedy",)) > 0
+        captured = warm.graphs.captures
+        assert [o.token_ids for o in generate(warm, prompts, params, "lookup")] == want
+        assert warm.graphs.captures == captured  # warm-up captured the allotted rounds traffic runs
     with pytest.raises(ValueError, match="greedy rows only"):
         lookup_mod.launch_lookup_round(eng, [], 12, 64, greedy=False, allotted=5)
 
