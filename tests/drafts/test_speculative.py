@@ -1721,6 +1721,33 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
         LookupDraft(gammas={1: MAX_GAMMA + 1})
 
 
+@pytest.mark.parametrize("allot", [False, True])
+def test_a_batch_of_lookup_rows_keeps_chaining_until_a_row_wants_no_more_than_the_round_in_flight(tiny, allot):
+    """Overlapped lookup rounds chain while every row wants more tokens than the round in flight can make, not
+    both rounds' in full: near a row's end the next round's surplus is cut at its commit, as any round's is.
+    Plain decoding's tokens."""
+    from engine.lookup import LookupDraft
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1], [2, 2, 5, 1, 3]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (21, 33, 46, 27)]
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(small, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
+                       overlap=True)
+    eng.add_draft("lookup", LookupDraft(allot=allot))
+    left, real = [], eng._launch_next_round
+
+    def launch(batch, packed, pos0, gamma, greedy):  # the fewest tokens a row still wants when a round is chained
+        left.append((min(s.request.params.max_new_tokens - len(s.output_ids) for s in batch), gamma))
+        return real(batch, packed, pos0, gamma, greedy)
+
+    eng._launch_next_round = launch
+    assert [o.token_ids for o in generate(eng, prompts, params, "lookup")] == want
+    # Chained with a row wanting fewer than both rounds' tokens (2 x (gamma + 1)), never with one the round in
+    # flight could finish.
+    assert any(n < 2 * (g + 1) for n, g in left) and all(n >= g + 2 for n, g in left), left
+
+
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
 def test_allotted_lookup_rounds_give_each_row_its_own_gamma_within_the_batch_s_tokens_and_plain_tokens(tiny, monkeypatch,
                                                                                                      graphs, overlap):
