@@ -216,14 +216,19 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
     """A closed batch of `batch` rows over (prompt, reply) pairs taken in order, every row on lookup (`policy`: None
     for plain decoding), each step one round of every running row at the policy's gamma for the step's batch-size
     bucket and the rows' rounds `lag` rounds back -> {"steps" by bucket, "fill" (running rows over batch x steps),
-    "tokens_per_row_round", "ms"}; a step costs step_ms + row_ms x bucket x (gamma + 1). An `Allotted` policy gives
-    each row its own gamma within the same verify tokens as its gamma's rounds."""
+    "tokens_per_row_round", "ms", "chain_stops"}; a step costs step_ms + row_ms x bucket x (gamma + 1). An `Allotted`
+    policy gives each row its own gamma within the same verify tokens as its gamma's rounds. `chain_stops`: the share
+    of steps after which an overlapped engine could not chain the next round (`DecodeEngine._may_overlap_round`)
+    because a row wants fewer tokens than both rounds could make ("both rounds", the rule of draft rounds) or than
+    the step's round could ("this round", lookup rounds' rule), a row's largest round being its gamma + 1 (an
+    allotted round's: its policy's largest gamma + 1)."""
     from bench.ngram_headroom import ngram_lookup, ngram_match
     from bench.tree_headroom import verified_step
     from engine.governor import batch_bucket
     from engine.lookup import LookupDraft
 
     queue, rows, steps, ms, row_rounds, made = list(range(len(sequences))), {}, {}, 0.0, 0, 0
+    stops = [0, 0]  # steps the next round could not chain after: both rounds' rule, this round's
     whole = [prompt + reply for prompt, reply in sequences]
     while queue or rows:
         while queue and len(rows) < batch:
@@ -242,6 +247,10 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
             gamma = 0 if policy is None else policy(bucket, [known[0] for _, known in rows.values()])
         steps[bucket] = steps.get(bucket, 0) + 1
         ms += step_ms + row_ms * bucket * (gamma + 1)
+        largest = (policy.max_gamma if isinstance(policy, Allotted) and bucket > 1 else gamma) + 1
+        least = min(len(whole[i]) - 1 - t for i, (t, _) in rows.items())  # the fewest tokens a row still wants
+        stops[0] += least < 2 * largest
+        stops[1] += least < largest + 1
         for i, (t, known) in list(rows.items()):
             seq = whole[i]
             proposal = proposals[i] if i in proposals else ngram_lookup(seq[: t + 1], gamma) if gamma else []
@@ -253,7 +262,9 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
                 rows[i] = (t + step, known[1:] + [(step - 1, len(proposal))])
     total = sum(steps.values())
     return {"steps": dict(sorted(steps.items())), "fill": round(row_rounds / max(batch * total, 1), 3),
-            "tokens_per_row_round": round(made / max(row_rounds, 1), 3), "ms": round(ms, 1)}
+            "tokens_per_row_round": round(made / max(row_rounds, 1), 3), "ms": round(ms, 1),
+            "chain_stops": {"both rounds": round(stops[0] / max(total, 1), 3),
+                            "this round": round(stops[1] / max(total, 1), 3)}}
 
 
 def main(argv: list[str] | None = None) -> None:

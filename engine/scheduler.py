@@ -887,8 +887,8 @@ class DecodeEngine:
         chains while every row wants more than the round in flight can make: lookup keeps no state of its own, so
         where the next round makes more than a row wants, its commit keeps what the row wants (as any round's
         near a row's end) and nothing else is lost. A batch whose rows end at different times otherwise stops
-        chaining whenever any row is within two rounds of its end (at gamma 5 about 15 % of a bs 8 batch's
-        rounds over our validation replies, at allotted rounds' 12 about 25 %; with this 8 and 14 %)."""
+        chaining whenever any row is within two rounds of its end (`bench.lookup_policy --batch 8` counts both
+        rules' stops)."""
         if batch and all(is_lookup(s.draft) for s in batch):
             following = self._next_lookup_round(batch, all(s.request.params.greedy for s in batch))[0]
             return self._may_chain(batch, gamma + 1 + following + 1, speculating=True, wanted=gamma + 2)

@@ -58,7 +58,10 @@ def test_a_closed_batch_plays_rows_in_waves_and_costs_each_step_by_its_bucket():
     never = [(list(range(100 * k, 100 * k + 5)), list(range(1000 * (k + 1), 1000 * (k + 1) + 10))) for k in range(3)]
     plain = batch_play(never, 2, None, 1.0, 0.1)
     # two rows for 9 steps (the prefill made each reply's first token), then the third request alone for 9
-    assert plain == {"steps": {1: 9, 2: 9}, "fill": 0.75, "tokens_per_row_round": 1.0, "ms": round(9 * 1.2 + 9 * 1.1, 1)}
+    # Plain steps of 1 token: an overlapped engine stops chaining when a row wants fewer than 2 (both calls) or 2
+    # (this call's 1, and one more): the last step of each wave.
+    assert plain == {"steps": {1: 9, 2: 9}, "fill": 0.75, "tokens_per_row_round": 1.0, "ms": round(9 * 1.2 + 9 * 1.1, 1),
+                     "chain_stops": {"both rounds": round(2 / 18, 3), "this round": round(2 / 18, 3)}}
     from bench.lookup_policy import gamma_policy
 
     looked = batch_play(never, 2, gamma_policy("5"), 1.0, 0.1)  # nothing recurs: a round makes one token, dearer
@@ -66,6 +69,28 @@ def test_a_closed_batch_plays_rows_in_waves_and_costs_each_step_by_its_bucket():
     phrase = [(list(range(10 * k, 10 * k + 6)), [7, 8, 9, 1, 2, 3] * 10) for k in range(4)]
     repeats = batch_play(phrase, 2, gamma_policy("5"), 1.0, 0.1)
     assert repeats["tokens_per_row_round"] > 4 and repeats["ms"] < batch_play(phrase, 2, None, 1.0, 0.1)["ms"] / 2
+    stops = repeats["chain_stops"]  # a row within 12 tokens of its end stops the full rule, within 7 lookup's
+    assert 0 < stops["this round"] < stops["both rounds"] < 1
+
+
+def test_an_allotted_batch_spends_its_tokens_on_the_rows_that_repeat():
+    """The policy 'allot': a batch's verify tokens go to its rows by their matches' n (engine.lookup.allot): beside a
+    row that never repeats, a repeating row proposes past the uniform gamma, and the batch makes more tokens a round
+    at the same cost a step as gamma 5."""
+    from bench.lookup_policy import Allotted, batch_play, gamma_policy
+
+    never = [(list(range(100 * k, 100 * k + 5)), list(range(1000 * (k + 1), 1000 * (k + 1) + 60))) for k in range(2)]
+    phrase = [(list(range(10 * k, 10 * k + 6)), [7, 8, 9, 1, 2, 3, 4, 5] * 8) for k in range(2)]
+    mixed = [never[0], phrase[0], never[1], phrase[1]]
+    policy = gamma_policy("allot")
+    assert isinstance(policy, Allotted) and (policy.gamma, policy.max_gamma) == (5, 12)
+    assert gamma_policy("allot:8").max_gamma == 8
+    assert policy.gammas(2, [6, 0]) == [10, 0]  # 2 x 6 verify tokens: the repeating row all but its pending one
+    uniform, allotted = batch_play(mixed, 2, gamma_policy("5"), 1.0, 0.1), batch_play(mixed, 2, policy, 1.0, 0.1)
+    assert allotted["tokens_per_row_round"] > uniform["tokens_per_row_round"] and allotted["ms"] < uniform["ms"]
+    for bad in ("allot:0", "allot:16", "allot:x"):
+        with pytest.raises(SystemExit, match="policy"):
+            gamma_policy(bad)
 
 
 def test_gamma_policies_from_their_text():
