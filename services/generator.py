@@ -100,7 +100,7 @@ class GeneratorCore:
                                   overlap=self.args.overlap, prefill_ahead=self.args.engine_prefill_ahead())
             if self.args.governor:
                 if self.args.lookup_alternative:  # each trained draft's alternative (`activate`)
-                    engine.add_draft(LOOKUP, LookupDraft())
+                    engine.add_draft(LOOKUP, LookupDraft(allot=self.args.lookup_allot))
                 engine.calibrate()  # the governor's plain-decoding (and, with graphs, lookup round) costs up front
         except Exception as exc:  # the replica fails to start and Serve reports why
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -167,7 +167,7 @@ class GeneratorCore:
         with self._swap:
             try:
                 if version == LOOKUP:  # the n-gram lookup drafter: no checkpoint to load or check
-                    draft = LookupDraft()
+                    draft = LookupDraft(allot=self.args.lookup_allot)
                 else:
                     draft = load_checked(self.factory, self.target, domain, version)
                     if self.args.fused_inference:

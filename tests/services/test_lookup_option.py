@@ -12,6 +12,7 @@ def test_a_domain_on_the_lookup_drafter_gives_plain_decoding_s_text_in_rounds(ap
         assert core.activate("code", "lookup") == "ok"
         assert core.versions["code"] == "lookup"
         assert type(core.loop.engine.drafts["code"]).__name__ == "LookupDraft"
+        assert not core.loop.engine.drafts["code"].allot  # lookup_allot: off by default
         plain, (text, stats) = _complete(core, None, "plain"), _complete(core, "code", "lookup")
         assert text == plain[0] and stats["rounds"] > 0  # the lookup rounds' text is plain decoding's
         assert stats["drafter"] == "lookup"
@@ -53,6 +54,24 @@ def test_trained_drafts_get_the_lookup_drafter_as_their_alternative_under_the_go
         assert "governor" in off.info()
     finally:
         off.loop.stop()
+
+
+def test_lookup_allot_reaches_the_lookup_drafter_and_keeps_plain_text(app_args):
+    """lookup_allot: the domain's lookup drafter and every draft's lookup alternative allot a batch's verify tokens
+    by row (LookupDraft(allot=True)); two requests at once, the same text as plain decoding."""
+    import concurrent.futures
+
+    args = AppArgs.model_validate({**app_args, "max_batch_size": 2, "governor": True, "lookup_allot": True})
+    core = GeneratorCore(args, registry=None)
+    try:
+        assert core.loop.engine.drafts["lookup"].allot
+        assert core.activate("code", "lookup") == "ok" and core.loop.engine.drafts["code"].allot
+        plain = _complete(core, None, "plain")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            runs = list(pool.map(lambda i: _complete(core, "code", f"a{i}"), range(2)))
+        assert {text for text, _ in runs} == {plain[0]}
+    finally:
+        core.loop.stop()
 
 
 def test_rows_prefilled_ahead_default_to_the_batch_less_one_on_cuda_and_reach_the_engine(app_args):
