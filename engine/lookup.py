@@ -91,17 +91,30 @@ ALLOT_TABLE = (
 ALLOT_MAX_GAMMA = 12
 
 
-def allot(matched: torch.Tensor, budget: int, max_gamma: int, table: torch.Tensor | None = None) -> torch.Tensor:
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def allot_table(device: torch.device) -> torch.Tensor:
+    """`ALLOT_TABLE` as a float32 tensor on `device`, made once (outside any CUDA graph capture: a capture cannot
+    copy from the host) and kept."""
+    device = torch.device(device)
+    if device not in _TABLES:
+        _TABLES[device] = torch.tensor(ALLOT_TABLE, dtype=torch.float32, device=device)
+    return _TABLES[device]
+
+
+def allot(matched: torch.Tensor, budget: int, max_gamma: int, table=None) -> torch.Tensor:
     """Per-row gammas of an allotted lookup round: matched (b,), the n each row's match has (`propose(...,
     with_match=True)`); budget, the round's verify tokens (at least b: each row verifies its pending token) -> (b,)
     gammas, each at most max_gamma, summing to budget - b (or to b x max_gamma where that is less). The budget's
-    tokens go to the (row, depth) pairs most likely accepted (`table[n][d - 1]`, default `ALLOT_TABLE`), a row's
-    deeper ones only after its shallower ones (ties: shallower first). Fixed shapes, no host synchronization:
-    it runs inside a round's CUDA graph."""
+    tokens go to the (row, depth) pairs most likely accepted (`table[n][d - 1]`, default `ALLOT_TABLE` by
+    `allot_table`), a row's deeper ones only after its shallower ones (ties: shallower first). Fixed shapes, no host
+    synchronization: it runs inside a round's CUDA graph (the table a tensor on the device made beforehand)."""
     b = matched.shape[0]
     if budget < b or max_gamma < 1:
         raise ValueError(f"budget {budget} for {b} rows, max gamma {max_gamma}: need budget >= rows and max gamma >= 1")
-    table = torch.as_tensor(ALLOT_TABLE if table is None else table, dtype=torch.float32, device=matched.device)
+    table = allot_table(matched.device) if table is None else torch.as_tensor(table, dtype=torch.float32,
+                                                                              device=matched.device)
     depth = torch.arange(max_gamma, device=matched.device)
     # Row n's chances, non-increasing in depth (deeper tokens are kept only with the shallower ones), each less a
     # hair per depth so that a row's picks are always its shallowest (a prefix of its proposal).
@@ -314,19 +327,19 @@ def record_round(eng, history: torch.Tensor, rows, pos0: torch.Tensor, proposed:
 
 
 def allotted_verify(eng, pending: torch.Tensor, pos0: torch.Tensor, proposals: torch.Tensor, matched: torch.Tensor,
-                    rows, kv_len: int, budget: int):
+                    rows, kv_len: int, budget: int, table: torch.Tensor | None = None):
     """The verify pass of an allotted round -> (VerifyResult, gammas (b,)): each row's gamma from `allot` (its
     match's n, within `budget` tokens), and the target over the rows' [pending, first gamma proposed] chains packed
     into `budget` token rows of one token each, each row of the pass reading and writing its chain's cache row at
     its own position (a row's tokens see the tokens before them in the cache: every layer writes the pass's keys
     and values before it attends). Greedy: each row keeps the longest prefix of its allotted proposal the target's
-    argmaxes match, and the target's next token."""
+    argmaxes match, and the target's next token. `table`: `allot`'s (default `allot_table`)."""
     from engine.model import PackedRows
     from engine.triton_kernels import argmax
     from engine.verify import VerifyResult
 
     b, top = proposals.shape
-    gammas = allot(matched, budget, top)
+    gammas = allot(matched, budget, top, table)
     width = top + 1
     chain = torch.arange(width, device=pos0.device)
     flat = torch.arange(b * width, device=pos0.device).view(b, width)
@@ -410,14 +423,14 @@ def launch_lookup_round(eng, slots: list, gamma: int, kv_len: int, greedy: bool 
         filtered = needs_filters(params)
         inputs.update(state=stream_state([s.random for s in slots], device), **param_tensors(params, device))
     vocab = model.args.vocab_size
-
+    table = allot_table(device) if allotted is not None else None  # made here: a capture cannot copy from the host
 
     def fn(pending, pos0, rows=rows, state=None, temperature=None, draft_temperature=None, top_k=None, top_p=None):
         history = eng.history[rows]  # (b, S): a view for a slice of rows, else a gathered copy written back below
         if allotted is not None:
             proposals, _, matched = propose(history, pos0 + 1, gamma, *draft.rule, with_match=True)
             res, gammas = allotted_verify(eng, pending, pos0, proposals, matched, rows, kv_len,
-                                          pending.shape[0] * (allotted + 1))
+                                          pending.shape[0] * (allotted + 1), table)
             record_round(eng, history, rows, pos0, proposals, res)
             return (torch.cat([res.num_accepted[:, None], res.next_token[:, None], proposals, gammas[:, None]], dim=1),)
         proposals, _ = propose(history, pos0 + 1, gamma, *draft.rule)
