@@ -212,7 +212,7 @@ def gamma_policy(spec: str):
 
 
 def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy, step_ms: float, row_ms: float,
-               lag: int = 2) -> dict:
+               lag: int = 2, host_ms: float = 0.0) -> dict:
     """A closed batch of `batch` rows over (prompt, reply) pairs taken in order, every row on lookup (`policy`: None
     for plain decoding), each step one round of every running row at the policy's gamma for the step's batch-size
     bucket and the rows' rounds `lag` rounds back -> {"steps" by bucket, "fill" (running rows over batch x steps),
@@ -221,7 +221,8 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
     of steps after which an overlapped engine could not chain the next round (`DecodeEngine._may_overlap_round`)
     because a row wants fewer tokens than both rounds could make ("both rounds", the rule of draft rounds) or than
     the step's round could ("this round", lookup rounds' rule), a row's largest round being its gamma + 1 (an
-    allotted round's: its policy's largest gamma + 1)."""
+    allotted round's: its policy's largest gamma + 1). `host_ms`: what a step after which the engine's rule stops
+    the chain costs more (the host's work between rounds, which a chained round hides) -> "ms_with_host"."""
     from bench.ngram_headroom import ngram_lookup, ngram_match
     from bench.tree_headroom import verified_step
     from engine.governor import batch_bucket
@@ -264,7 +265,8 @@ def batch_play(sequences: list[tuple[list[int], list[int]]], batch: int, policy,
     return {"steps": dict(sorted(steps.items())), "fill": round(row_rounds / max(batch * total, 1), 3),
             "tokens_per_row_round": round(made / max(row_rounds, 1), 3), "ms": round(ms, 1),
             "chain_stops": {"both rounds": round(stops[0] / max(total, 1), 3),
-                            "this round": round(stops[1] / max(total, 1), 3)}}
+                            "this round": round(stops[1] / max(total, 1), 3)},
+            "ms_with_host": round(ms + host_ms * (stops[1] if policy is not None else stops[0]), 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -292,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--policies", default="5;4;6", help="--batch: gamma policies separated by ';' (docstring)")
     parser.add_argument("--step-ms", type=float, default=0.768, help="--batch: a step's cost at no token rows")
     parser.add_argument("--row-ms", type=float, default=0.0065, help="--batch: a verified token row's cost")
+    parser.add_argument("--host-ms", type=float, default=0.48,
+                        help="--batch: what a step costs more where the engine cannot chain the next round (the host "
+                             "between rounds: a bs 1 lookup round sequentially, H200 run 33)")
     parser.add_argument("--allot-table", action="store_true",
                         help="instead: the three domains' replies' chances that a lookup row keeps at least d of its "
                              "proposed tokens, by its match's n (`allot_table`, engine.lookup.ALLOT_TABLE's source)")
@@ -318,13 +323,15 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({"split": args.split, "shape": args.shape, "requests": len(sequences),
                               "reply_tokens": args.tokens, **allot_table(sequences)}), flush=True)
             return
-        plain = batch_play(sequences, args.batch, None, args.step_ms, args.row_ms)
+        plain = batch_play(sequences, args.batch, None, args.step_ms, args.row_ms, host_ms=args.host_ms)
         head = {"batch": args.batch, "split": args.split, "shape": args.shape, "requests": len(sequences),
-                "reply_tokens": args.tokens, "step_ms": args.step_ms, "row_ms": args.row_ms}
+                "reply_tokens": args.tokens, "step_ms": args.step_ms, "row_ms": args.row_ms, "host_ms": args.host_ms}
         print(json.dumps({**head, "policy": "plain decoding", **plain}), flush=True)
         for spec, policy in policies:
-            got = batch_play(sequences, args.batch, policy, args.step_ms, args.row_ms)
-            print(json.dumps({**head, "policy": spec, **got, "projected": round(plain["ms"] / got["ms"], 3)}), flush=True)
+            got = batch_play(sequences, args.batch, policy, args.step_ms, args.row_ms, host_ms=args.host_ms)
+            print(json.dumps({**head, "policy": spec, **got, "projected": round(plain["ms"] / got["ms"], 3),
+                              "projected_with_host": round(plain["ms_with_host"] / got["ms_with_host"], 3)}),
+                  flush=True)
         return
     prompts = prompts_of(args.shape, args.domain, loaded.tokenizer, args.prompts, args.split)
     whole = target_replies(loaded.model, loaded.tokenizer, prompts, args.tokens)

@@ -61,7 +61,9 @@ def test_a_closed_batch_plays_rows_in_waves_and_costs_each_step_by_its_bucket():
     # Plain steps of 1 token: an overlapped engine stops chaining when a row wants fewer than 2 (both calls) or 2
     # (this call's 1, and one more): the last step of each wave.
     assert plain == {"steps": {1: 9, 2: 9}, "fill": 0.75, "tokens_per_row_round": 1.0, "ms": round(9 * 1.2 + 9 * 1.1, 1),
-                     "chain_stops": {"both rounds": round(2 / 18, 3), "this round": round(2 / 18, 3)}}
+                     "chain_stops": {"both rounds": round(2 / 18, 3), "this round": round(2 / 18, 3)},
+                     "ms_with_host": round(9 * 1.2 + 9 * 1.1, 1)}
+    assert batch_play(never, 2, None, 1.0, 0.1, host_ms=0.5)["ms_with_host"] == round(9 * 1.2 + 9 * 1.1 + 2 * 0.5, 1)
     from bench.lookup_policy import gamma_policy
 
     looked = batch_play(never, 2, gamma_policy("5"), 1.0, 0.1)  # nothing recurs: a round makes one token, dearer
