@@ -94,31 +94,34 @@ ALLOT_MAX_GAMMA = 12
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
-def allot_table(device: torch.device) -> torch.Tensor:
-    """`ALLOT_TABLE` as a float32 tensor on `device`, made once (outside any CUDA graph capture: a capture cannot
-    copy from the host) and kept."""
+def allot_table(device: torch.device, table=None) -> torch.Tensor:
+    """`allot`'s ranks from a table of chances (default `ALLOT_TABLE`, then made once per device and kept: outside
+    any CUDA graph capture, which cannot copy from the host): each row made non-increasing in depth (a deeper token
+    is kept only with the shallower ones) and less a hair per depth, so that a row's picks are always its
+    shallowest (a prefix of its proposal) and ties go shallower first."""
     device = torch.device(device)
-    if device not in _TABLES:
-        _TABLES[device] = torch.tensor(ALLOT_TABLE, dtype=torch.float32, device=device)
-    return _TABLES[device]
+    if table is None and device in _TABLES:
+        return _TABLES[device]
+    chance = torch.tensor(ALLOT_TABLE if table is None else table, dtype=torch.float32, device=device)
+    ranks = chance.cummin(dim=1).values - 1e-6 * torch.arange(chance.shape[1], device=device)
+    if table is None:
+        _TABLES[device] = ranks
+    return ranks
 
 
 def allot(matched: torch.Tensor, budget: int, max_gamma: int, table=None) -> torch.Tensor:
     """Per-row gammas of an allotted lookup round: matched (b,), the n each row's match has (`propose(...,
     with_match=True)`); budget, the round's verify tokens (at least b: each row verifies its pending token) -> (b,)
     gammas, each at most max_gamma, summing to budget - b (or to b x max_gamma where that is less). The budget's
-    tokens go to the (row, depth) pairs most likely accepted (`table[n][d - 1]`, default `ALLOT_TABLE` by
-    `allot_table`), a row's deeper ones only after its shallower ones (ties: shallower first). Fixed shapes, no host
-    synchronization: it runs inside a round's CUDA graph (the table a tensor on the device made beforehand)."""
+    tokens go to the (row, depth) pairs most likely accepted (`table[n][d - 1]`, default `ALLOT_TABLE`), a row's
+    deeper ones only after its shallower ones (ties: shallower first). `table` may be a table of chances or the
+    ranks `allot_table` makes of one (a tensor: so inside a CUDA graph, made on the device beforehand). Fixed
+    shapes, no host synchronization: it runs inside a round's CUDA graph."""
     b = matched.shape[0]
     if budget < b or max_gamma < 1:
         raise ValueError(f"budget {budget} for {b} rows, max gamma {max_gamma}: need budget >= rows and max gamma >= 1")
-    table = allot_table(matched.device) if table is None else torch.as_tensor(table, dtype=torch.float32,
-                                                                              device=matched.device)
-    depth = torch.arange(max_gamma, device=matched.device)
-    # Row n's chances, non-increasing in depth (deeper tokens are kept only with the shallower ones), each less a
-    # hair per depth so that a row's picks are always its shallowest (a prefix of its proposal).
-    chance = table[matched.clamp(0, table.shape[0] - 1)][:, :max_gamma].cummin(dim=1).values - 1e-6 * depth
+    ranks = table if isinstance(table, torch.Tensor) else allot_table(matched.device, table)
+    chance = ranks[matched.clamp(0, ranks.shape[0] - 1), :max_gamma]
     picks = min(budget - b, b * max_gamma)
     top = chance.flatten().topk(picks).indices
     return torch.zeros(b * max_gamma, dtype=torch.long, device=matched.device).index_fill_(0, top, 1).view(
@@ -333,7 +336,7 @@ def allotted_verify(eng, pending: torch.Tensor, pos0: torch.Tensor, proposals: t
     into `budget` token rows of one token each, each row of the pass reading and writing its chain's cache row at
     its own position (a row's tokens see the tokens before them in the cache: every layer writes the pass's keys
     and values before it attends). Greedy: each row keeps the longest prefix of its allotted proposal the target's
-    argmaxes match, and the target's next token. `table`: `allot`'s (default `allot_table`)."""
+    argmaxes match, and the target's next token. `table`: `allot`'s ranks (default `allot_table`'s)."""
     from engine.model import PackedRows
     from engine.triton_kernels import argmax
     from engine.verify import VerifyResult
