@@ -65,7 +65,9 @@ def _kernels():
         p = tl.load(POS + b * spb + t * spt).to(tl.int64)
         h = tl.arange(0, HP)
         d = tl.arange(0, D)
-        m = (h[:, None] < H) & (d[None, :] < D) & (p >= 0) & (p < S)
+        # A position outside the cache writes nothing. (The scalar test joins the block's through tl.where, not &:
+        # Triton 3.9's interpreter gives a block & a scalar comparison an int32 mask, which a load refuses.)
+        m = tl.where((p >= 0) & (p < S), (h[:, None] < H) & (d[None, :] < D), False)
         k = tl.load(K + b * skb + h[:, None] * skh + t * skt + d[None, :] * skd, mask=m)
         tl.store(KC + r * sckr + h[:, None] * sckh + p * scks + d[None, :] * sckd, k, mask=m)
         v = tl.load(V + b * svb + h[:, None] * svh + t * svt + d[None, :] * svd, mask=m)
@@ -132,7 +134,7 @@ def _kernels():
         tl.store(QO + i * son + hq[:, None] * soh + d[None, :] * sod, q.to(QO.dtype.element_ty), mask=mq)
         hk = tl.arange(0, HKP)
         mk = (hk[:, None] < HKV) & (d[None, :] < D)
-        mw = mk & (p >= 0) & (p < S)
+        mw = tl.where((p >= 0) & (p < S), mk, False)  # as kv_write_kernel's mask
         x = tl.load(row + ((HQ + hk[:, None]) * D + d[None, :]) * sqw, mask=mk, other=0.0).to(tl.float32)
         xr = tl.load(row + ((HQ + hk[:, None]) * D + partner[None, :]) * sqw, mask=mk, other=0.0).to(tl.float32)
         k = x * cos[None, :] + xr * sign[None, :] * sin[None, :]
@@ -324,7 +326,7 @@ def _kernels():
         tl.store(MASK + i * S + s, (s <= p).to(tl.int8), mask=s < S)
         if tl.program_id(1) == 0:
             d = tl.arange(0, DP)
-            m = (d < D) & (p >= 0) & (p < L)
+            m = tl.where((p >= 0) & (p < L), d < D, False)  # as kv_write_kernel's mask
             tl.store(COS + i * D + d, tl.load(RC + p * src + d, mask=m, other=0.0).to(COS.dtype.element_ty), mask=d < D)
             tl.store(SIN + i * D + d, tl.load(RS + p * srs + d, mask=m, other=0.0).to(SIN.dtype.element_ty), mask=d < D)
 

@@ -23,6 +23,16 @@ torch.manual_seed(0)
 TL.PROJ = True  # the output and down projections (on by default)
 TL.MAX_ROWS = 64  # batches too (FLASHSPEC_LAYER_ROWS=64)
 H, HQ, HKV, D, R, S, I = 96, 3, 1, 32, 10, 40, 80  # H: not a multiple of the kernels' 64-feature steps
+
+
+def same(a, b):
+    # A row's output alone and among other rows: the same bits in fp16. In fp32 the interpreter's dot is numpy's
+    # sgemm, whose rounding can depend on a row's place in the tile (seen with triton 3.9's interpreter: a few ulp
+    # at rows 8 and up); there the values agree to float rounding, and tests/gpu/test_triton_layer_gpu.py checks
+    # the bits on the GPU.
+    return torch.equal(a, b) if a.dtype != torch.float32 else torch.allclose(a, b, rtol=1e-6, atol=2e-6)
+
+
 for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
     for b, t, rows, with_delta in ((1, 1, None, True), (1, 5, slice(2, 3), False), (2, 3, torch.tensor([7, 1]), True),
                                    (8, 2, torch.randperm(R)[:8], True),  # 16 rows: one tile
@@ -62,8 +72,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
             kc1, vc1 = torch.zeros_like(kc), torch.zeros_like(vc)
             _, q1 = TL.norm_qkv_rope_write(x[one], d1, nw, 1e-5, w, cos[one], sin[one], kc1, vc1,
                                            r[i // t : i // t + 1].clone(), pos[i // t : i // t + 1, i % t : i % t + 1], HQ, HKV)
-            assert torch.equal(q1, q[one]), (dtype, n, i)
-            assert torch.equal(TL.norm_gate_up_silu(x[one], d1, nw, 1e-5, wg, I)[1], act[one]), (dtype, n, i)
+            assert same(q1, q[one]), (dtype, n, i)
+            assert same(TL.norm_gate_up_silu(x[one], d1, nw, 1e-5, wg, I)[1], act[one]), (dtype, n, i)
         # The weight's first features read before the wait (FLASHSPEC_LAYER_PREFETCH=1): the same bits, whether the
         # whole row is one step (k=128) or three (k=32)
         for step in (128, 32):
@@ -81,7 +91,7 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 4e-3)):
             assert y.dtype == dtype and y.shape == (n, 72)
             torch.testing.assert_close(y, F.linear(act, wd), atol=tol, rtol=tol)
             for i in (0, n - 1):  # a row's output does not depend on the rows sharing its call
-                assert torch.equal(TL.project(act[i : i + 1], wd, cfg), y[i : i + 1]), (n, i, cfg)
+                assert same(TL.project(act[i : i + 1], wd, cfg), y[i : i + 1]), (n, i, cfg)
 # What it does not serve: a projection of other heads, more rows than MAX_ROWS, a gate|up of another width.
 assert TL.norm_qkv_rope_write(x, delta, nw, 1e-5, w, cos, sin, kc, vc, rows, pos, HQ + 1, HKV) is None
 big = torch.randn(TL.MAX_ROWS + 1, H, dtype=dtype)  # more rows than it serves
