@@ -37,6 +37,21 @@ MAX_TILE_ROWS = 64  # query heads per KV head x new tokens per row served by one
 BLOCK_N = 64  # cache slots per inner-loop block
 
 
+def _wide_warps(text: str) -> int:
+    if text not in ("1", "2", "4", "8"):
+        raise ValueError(f"FLASHSPEC_ATTN_WIDE_WARPS={text!r}: expected 1, 2, 4 or 8 warps (4: the default; "
+                         "2 keeps 64-row tiles on mma.sync)")
+    return int(text)
+
+
+# Warps of a program whose tile has more than 32 rows (BLOCK_M 64: a lone row's 15-token streak round at 3 query
+# heads a KV head is 48 rows, an allotted round's 13-token chain 39). At 4 warps or more Triton compiles such a
+# tile's products to Hopper's warpgroup `wgmma`, where every smaller tile takes `mma.sync`; the two may add a
+# product's terms in other orders (python -m bench.kernel_ptx; python -m bench.tile_bits measures whether a
+# query's bits then depend on its call's width, and the cost of 2 warps, which keep it on mma.sync).
+WIDE_WARPS = _wide_warps(os.environ.get("FLASHSPEC_ATTN_WIDE_WARPS", "4"))
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     import triton
@@ -261,7 +276,8 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     packed = qidx is not None
     common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
                   HAS_ROWS=rows is not None, HAS_POS=positions is not None,
-                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), HAS_QIDX=packed, num_warps=4, **pdl(q))
+                  BLOCK_T=max(2, 1 << (t - 1).bit_length()), HAS_QIDX=packed,
+                  num_warps=4 if block_m <= 32 else WIDE_WARPS, **pdl(q))
     qidx_ptr = qidx if packed else q  # unread without HAS_QIDX
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))

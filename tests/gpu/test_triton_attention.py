@@ -180,3 +180,14 @@ def test_inline_merge_matches_the_merge_kernel_replay_after_replay(monkeypatch, 
         torch.testing.assert_close(out.float(), call(False).float(), atol=1e-2, rtol=1e-2)
     torch.cuda.synchronize()
     assert int(ta._COUNTS[q.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("batch,t,warps", [(1, 6, 4), (8, 6, 4), (1, 16, 2), (8, 16, 2), (1, 13, 2)])
+def test_a_querys_bf16_bits_do_not_depend_on_its_calls_width(batch, t, warps):
+    """A query of a t-token call gives the bits it gives alone (the same cache, visible slots and splits): tiles of
+    up to 32 rows take mma.sync at 4 warps, 64-row tiles at 2 warps (bench.tile_bits measures 4 warps' wgmma)."""
+    from bench.tile_bits import measure
+
+    for seed in range(3):
+        row = measure(batch, 3, t, warps, seed=seed, timed=False)
+        assert row["elements_differing"] == 0, row
