@@ -38,6 +38,9 @@ again with 7 cache rows for requests prefilled ahead of a free running row, a gr
 `--lookup-streaks 15` adds lookup alone at the largest gamma with a lone row's rounds at 15 after a round that
 accepted everything (`LookupDraft.streak_gammas`; the alone rows run without), and the service's setting again
 without a streak gamma (and at each streak gamma other than its default);
+`--no-regroup` adds lookup at the largest gamma overlapped and the service's setting again with an overlapped lookup
+batch's chain stopped near a row's end and for each change of rows (`DecodeEngine.regroup_chains = False`), side by
+side;
 `--lookup-before-repeat` adds the largest gamma's rows again with the rule before the repeat (n 3 else 2, only the
 tokens that followed the match), side by side.
 `--vocab-config t=0` adds lookup at the largest gamma overlapped and the service's setting again with the vocabulary
@@ -434,6 +437,7 @@ class HostSplit:
         self.calls = {"step": 0, "_spec_round": 0}
 
     def __enter__(self) -> "HostSplit":
+        self.regrouped = getattr(self.eng, "regrouped", 0)
         for name in self.seconds:
             real = getattr(self.eng, name)
 
@@ -453,14 +457,16 @@ class HostSplit:
             delattr(self.eng, name)  # the class's method again
 
     def report(self, wall: float) -> dict:
-        """ms: the pass, in steps, in rounds, in steps but not rounds, outside steps; and per call."""
+        """ms: the pass, in steps, in rounds, in steps but not rounds, outside steps; and per call. Rounds launched
+        regrouped (`DecodeEngine._regroup_round`) in the pass."""
         step, rnd = self.seconds["step"], self.seconds["_spec_round"]
         n_step, n_round = self.calls["step"], self.calls["_spec_round"]
         return {"pass_ms": round(wall * 1e3, 1), "steps": n_step, "step_ms": round(step * 1e3, 1),
                 "rounds": n_round, "round_ms": round(rnd * 1e3, 1),
                 "step_not_round_ms": round((step - rnd) * 1e3, 1), "outside_steps_ms": round((wall - step) * 1e3, 1),
                 "ms_per_round": round(rnd * 1e3 / n_round, 3) if n_round else None,
-                "ms_per_step_outside_round": round((step - rnd) * 1e3 / n_step, 3) if n_step else None}
+                "ms_per_step_outside_round": round((step - rnd) * 1e3 / n_step, 3) if n_step else None,
+                "rounds_regrouped": getattr(self.eng, "regrouped", 0) - self.regrouped}
 
 
 class EngineRow:
@@ -929,6 +935,11 @@ def lookup_rows(bench: Bench, workload: tuple, ref, suffix: str = "", best: dict
                           overlap=True))
         if best:
             rows.append(service(after=after, alternative=LookupDraft(max_n=max_n)))
+    if getattr(bench.args, "no_regroup", False):  # chains stopped near rows' ends and for each change, side by side
+        after = ", chains not regrouped"
+        rows.append(alone(lookup, top, ", overlapped" + after, overlap=True, engine_attrs={"regroup_chains": False}))
+        if best:
+            rows.append(service(after=after, engine_attrs={"regroup_chains": False}))
     if getattr(bench.args, "lookup_allot", False):  # each row its own gamma within the batch's verify tokens
         after = ", allotted"
         rows.append(alone(LookupDraft(gammas={}, streak_gammas={}, allot=True), top, ", overlapped" + after,
@@ -1180,6 +1191,10 @@ def main() -> None:
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with the longest n-gram looked up at each of these (LookupDraft(max_n=N); the "
                              "default is engine.lookup.DEFAULT_MAX_N, 6), side by side, e.g. 3")
+    parser.add_argument("--no-regroup", action="store_true",
+                        help="with --lookup: add lookup at the largest gamma overlapped and the service's setting again "
+                             "with an overlapped lookup batch's chain stopped near a row's end and for each change of "
+                             "rows, as before regrouped chains (DecodeEngine.regroup_chains = False), side by side")
     parser.add_argument("--lookup-allot", action="store_true",
                         help="with --lookup: also lookup alone at the largest gamma (overlapped) and the service's "
                              "setting with allotted rounds (LookupDraft(allot=True): at batch sizes 2 and up each row "

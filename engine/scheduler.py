@@ -183,6 +183,14 @@ class DecodeEngine:
         self._round_clock = 0.0  # when the host last read a speculative round's outcome
         self._plain_clock = 0.0  # when the host last read an overlapped plain call's tokens
         self._scatter_rows = False  # warm-up: run rows 0..b-1 as the scattered rows' graphs do
+        # An overlapped batch of greedy lookup rows keeps its chain through its rows' ends: it chains while its rows
+        # run (not only while each wants more than the round in flight can make), and where rows have stopped or
+        # prefilled requests can join it launches the next round for the batch as it now is, regrouped, before it
+        # reads the round in flight (`_regroup_round`). Without side prefills only: the round in flight may still
+        # write a stopped row's cache row, which an admission's prefill on the same stream then follows. False:
+        # such a batch stops its chain near a row's end and for each change, as before.
+        self.regroup_chains = True
+        self.regrouped = 0  # rounds launched regrouped (`_regroup_round`)
         self._streak_forced: bool | None = None  # warm-up: lookup rounds at the streak gamma (True) or not (False)
         self.ar_steps_per_sync = ar_steps_per_sync or (4 if self.device.type == "cuda" else 1)
         if prefill_graphs is None:
@@ -888,10 +896,13 @@ class DecodeEngine:
         where the next round makes more than a row wants, its commit keeps what the row wants (as any round's
         near a row's end) and nothing else is lost. A batch whose rows end at different times otherwise stops
         chaining whenever any row is within two rounds of its end (`bench.lookup_policy --batch 8` counts both
-        rules' stops)."""
+        rules' stops). A greedy batch that regroups (`regroup_chains`) chains while every row wants a token: the
+        round in flight may end a row, whose share of the next round is then dropped at its commit."""
         if batch and all(is_lookup(s.draft) for s in batch):
-            following = self._next_lookup_round(batch, all(s.request.params.greedy for s in batch))[0]
-            return self._may_chain(batch, gamma + 1 + following + 1, speculating=True, wanted=gamma + 2)
+            greedy = all(s.request.params.greedy for s in batch)
+            following = self._next_lookup_round(batch, greedy)[0]
+            wanted = 1 if self._regroups(batch) else gamma + 2
+            return self._may_chain(batch, gamma + 1 + following + 1, speculating=True, wanted=wanted)
         return self._may_chain(batch, 2 * (self.spec.num_speculative_tokens + 1), speculating=True)
 
     def _may_chain(self, batch: list[SlotState], span: int, speculating: bool, wanted: int | None = None) -> bool:
@@ -1341,8 +1352,11 @@ class DecodeEngine:
         unchanged, then read it and commit it for the rows still running."""
         batch = ahead.batch
         cold = self._cold_events()
+        joined: list[RequestOutput] = []
         if self._may_overlap_round(batch, ahead.steps):
             self._ahead = self._launch_next_round(batch, ahead.tokens, ahead.pos, ahead.steps, ahead.greedy)
+        elif self._regroups(batch) and ahead.greedy:
+            joined = self._regroup_round(ahead)
         host = _read(ahead.host, ahead.ready)
         result = round_result(host, ahead.steps) if ahead.allotted is None else allotted_result(host)
         now = time.perf_counter()
@@ -1352,7 +1366,51 @@ class DecodeEngine:
         self._report_round(ahead.report, ahead.steps, seconds, result)
         running = self.num_running
         self._observe_round(batch, result, running, seconds)
-        return self._commit_round(batch, result, running)
+        return joined + self._commit_round(batch, result, running)
+
+    def _regroups(self, batch: list[SlotState]) -> bool:
+        """Whether an overlapped batch of greedy lookup rows keeps its chain through its rows' ends
+        (`regroup_chains`; not with side prefills)."""
+        return (self.regroup_chains and not self.side_prefill and bool(batch)
+                and all(is_lookup(s.draft) and s.request.params.greedy for s in batch))
+
+    def _regroup_round(self, ahead: "_Ahead") -> list[RequestOutput]:
+        """The chained round of a batch of greedy lookup rows whose rows changed since the round in flight was
+        launched: rows that stopped leave it, admissions whose prefill has run join it (`_join`: their first tokens,
+        returned), and where the batch is then every running row and may chain (`_may_overlap_round`) its next
+        round is launched before the round in flight is read: the rows that stay take their pending tokens and
+        positions from that round's outcome on the device, the rows that joined from the host. Waiting requests'
+        prefills are launched after it (`_launch_admissions`), on the same stream: a stopped row's cache row, which
+        the round in flight may still write, is free for them only behind it. Where the batch cannot chain, the
+        next step runs as an unchained one (the rows that joined are running by then)."""
+        batch = ahead.batch
+        kept = [i for i, s in enumerate(batch) if self.slots[s.slot] is s]
+        if len(kept) == len(batch):
+            return []  # the same rows: what stopped the chain was not a change of rows
+        outputs = self._join(wait=False)
+        ids = {id(s) for s in batch}
+        joined = [s for s in self.slots if s is not None and id(s) not in ids]
+        rows = [batch[i] for i in kept] + joined
+        if not rows or not self._regroups(rows) or not self._may_overlap_round(rows, ahead.steps):
+            return outputs
+        packed, pos0 = ahead.tokens, ahead.pos
+        idx = to_device(kept, self.device) if kept else None
+        pending = [packed[idx, 1]] if kept else []
+        positions = [(pos0 + packed[:, 0] + 1)[idx]] if kept else []
+        if joined:
+            host = to_device([[s.pending for s in joined], [s.length for s in joined]], self.device)
+            pending.append(host[0])
+            positions.append(host[1])
+        pending, positions = torch.cat(pending), torch.cat(positions)
+        g, allotted = self._next_lookup_round(rows, True)
+        kv_len = max(s.length for s in rows) + ahead.steps + 1 + g + 2  # the longest row accepting everything
+        nxt, npos = launch_lookup_round(self, rows, g, kv_len, True, pending=pending, pos0=positions,
+                                        allotted=allotted)
+        self._ahead = _Ahead(rows, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=True,
+                             allotted=allotted)
+        self.regrouped += 1
+        self._launch_admissions()
+        return outputs
 
     def _wait_ahead(self) -> None:
         """Wait until a call in flight has run (its graph may then be dropped); it is still committed next step."""

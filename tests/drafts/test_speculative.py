@@ -1721,11 +1721,12 @@ def test_a_lone_greedy_lookup_row_proposes_its_batch_size_s_gamma(tiny):
         LookupDraft(gammas={1: MAX_GAMMA + 1})
 
 
-@pytest.mark.parametrize("allot", [False, True])
-def test_a_batch_of_lookup_rows_keeps_chaining_until_a_row_wants_no_more_than_the_round_in_flight(tiny, allot):
+@pytest.mark.parametrize("allot,regroup", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_batch_of_lookup_rows_keeps_chaining_until_a_row_wants_no_more_than_the_round_in_flight(tiny, allot, regroup):
     """Overlapped lookup rounds chain while every row wants more tokens than the round in flight can make, not
-    both rounds' in full: near a row's end the next round's surplus is cut at its commit, as any round's is.
-    Plain decoding's tokens."""
+    both rounds' in full: near a row's end the next round's surplus is cut at its commit, as any round's is. A
+    greedy batch that regroups (`regroup_chains`, the default) chains while its rows run at all, the round in
+    flight possibly ending a row. Plain decoding's tokens."""
     from engine.lookup import LookupDraft
 
     small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
@@ -1734,6 +1735,7 @@ def test_a_batch_of_lookup_rows_keeps_chaining_until_a_row_wants_no_more_than_th
     want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=4, max_seq_len=128), prompts, params)]
     eng = DecodeEngine(small, None, max_batch_size=4, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
                        overlap=True)
+    eng.regroup_chains = regroup
     eng.add_draft("lookup", LookupDraft(allot=allot))
     left, real = [], eng._launch_next_round
 
@@ -1743,9 +1745,73 @@ def test_a_batch_of_lookup_rows_keeps_chaining_until_a_row_wants_no_more_than_th
 
     eng._launch_next_round = launch
     assert [o.token_ids for o in generate(eng, prompts, params, "lookup")] == want
-    # Chained with a row wanting fewer than both rounds' tokens (2 x (gamma + 1)), never with one the round in
-    # flight could finish.
-    assert any(n < 2 * (g + 1) for n, g in left) and all(n >= g + 2 for n, g in left), left
+    # Chained with a row wanting fewer than both rounds' tokens (2 x (gamma + 1)); without regrouping never with
+    # one the round in flight could finish, regrouping with such rows too, and on past the rows' ends.
+    assert any(n < 2 * (g + 1) for n, g in left), left
+    if regroup:
+        assert any(n < g + 2 for n, g in left) and eng.regrouped > 0, (left, eng.regrouped)
+    else:
+        assert all(n >= g + 2 for n, g in left) and eng.regrouped == 0, left
+
+
+@pytest.mark.parametrize("allot", [False, True])
+def test_a_lookup_batch_regroups_its_chain_as_rows_end_and_prefilled_requests_join(tiny, allot):
+    """An overlapped batch of greedy lookup rows keeps its chain through its rows' ends: a row that stopped leaves the
+    next round and a request prefilled ahead joins it, launched before the round in flight is read (`_regroup_round`),
+    down to the last row. Plain decoding's tokens (stop tokens, a stop by length mid-round, a cancel), with fewer
+    rounds launched unchained than without regrouping."""
+    from engine.lookup import LookupDraft
+
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1], [2, 2, 5, 1, 3], [4, 6], [3, 1, 4, 1], [6, 6], [0, 5, 2]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=eos)
+              for n, eos in zip((21, 33, 46, 27, 15, 38, 9, 30), ((), (), (7,), (), (), (3,), (), ()))]
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=3, max_seq_len=128), prompts, params)]
+
+    def run(regroup: bool):
+        eng = DecodeEngine(small, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
+                           overlap=True, prefill_ahead=2)
+        eng.regroup_chains = regroup
+        eng.add_draft("lookup", LookupDraft(allot=allot))
+        unchained, real = [], eng._lookup_round
+        eng._lookup_round = lambda rows: unchained.append(len(rows)) or real(rows)
+        outs = generate(eng, prompts, params, "lookup")
+        return [o.token_ids for o in outs], len(unchained), eng.regrouped
+
+    got, unchained, regrouped = run(True)
+    assert got == want
+    before, unchained_before, none = run(False)
+    assert before == want and none == 0
+    assert regrouped >= 5 and unchained < unchained_before, (regrouped, unchained, unchained_before)
+
+
+def test_a_regrouped_chain_drops_a_cancelled_row_and_keeps_the_others_tokens(tiny):
+    """A request cancelled while its batch's rounds run chained leaves the regrouped chain; the others give plain
+    decoding's tokens."""
+    small = tiny.tiny_vocab_target(8, num_layers=3, seed=7)
+    prompts = [[1, 2, 3, 4], [5, 0, 6], [7, 7, 1], [2, 2, 5, 1, 3], [4, 6]]
+    params = [SamplingParams(max_new_tokens=n, eos_token_ids=()) for n in (40, 35, 50, 30, 25)]
+    want = [o.token_ids for o in generate(DecodeEngine(small, None, max_batch_size=3, max_seq_len=128), prompts, params)]
+    eng = DecodeEngine(small, None, max_batch_size=3, max_seq_len=128, spec=SpecConfig(5, 5), cuda_graphs="emulate",
+                       overlap=True, prefill_ahead=2)
+    eng.add_draft("lookup", LookupDraft())
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(Request(f"r{i}", p, sp, draft="lookup"))
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    finished, steps = set(), 0
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id] += o.token_ids
+            if o.finished:
+                finished.add(o.request_id)
+        steps += 1
+        if steps == 6:
+            assert eng.cancel("r1")
+    assert finished == {f"r{i}" for i in range(len(prompts))} - {"r1"}
+    for i, w in enumerate(want):
+        if i != 1:
+            assert got[f"r{i}"] == w, i
+    assert want[1][: len(got["r1"])] == got["r1"] and eng.regrouped > 0
 
 
 @pytest.mark.parametrize("graphs,overlap", [(None, False), ("emulate", False), ("emulate", True)])
