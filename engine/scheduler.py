@@ -491,8 +491,11 @@ class DecodeEngine:
                             if len(mix) > 1 and b < 2:
                                 continue  # one row holds one draft
                             cases = [(gamma, width, None) for gamma, width in (arms if mix != [None] else [(None, 1)])]
-                            if kind == "greedy" and self._streaks_at(mix, b):  # lookup rounds at the streak gamma too
-                                cases.append((None, 1, True))
+                            if kind == "greedy" and self._streaks_at(mix, b):
+                                # Lookup rounds at the streak gamma too, and at the plain one all the way: warm-up's
+                                # periodic prompts would run streaks only once matched, and where graphs depend on the
+                                # KV length a lone row's plain-gamma rounds then meet later buckets only in traffic.
+                                cases += [(None, 1, True), (None, 1, False)]
                             for gamma, width, streak in cases:
                                 if width > 1 and (len(mix) > 1 or b > self.spec.tree_max_batch
                                                   or (gamma is None and kind == "greedy")):
