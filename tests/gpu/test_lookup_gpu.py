@@ -53,9 +53,10 @@ def test_proposals_from_a_graph_replay_equal_eager_ones_for_new_histories():
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("gammas", [None, {1: 15, 2: 15, 4: 15}])
 def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, gammas):
-    """Rows naming a LookupDraft, their rounds captured (and chained with overlap), scattered rows included (a
-    row finishing early frees its slot for the next request): plain decoding's tokens, and repeats taken in
-    rounds of several tokens; at the default gammas and at engine.lookup.MAX_GAMMA (past the engine's 5)."""
+    """Rows naming a LookupDraft, their rounds captured (and chained with overlap, regrouped as rows end and the
+    next request joins), scattered rows included (a row finishing early frees its slot for the next request): plain
+    decoding's tokens, and repeats taken in rounds of several tokens; at the default gammas and at
+    engine.lookup.MAX_GAMMA (past the engine's 5)."""
     from engine.config import ModelArgs
     from engine.generate import generate
     from engine.lookup import LookupDraft
@@ -81,6 +82,8 @@ def test_lookup_rounds_as_captured_graphs_give_plain_decoding_s_tokens(overlap, 
     ran = {k[3] for k in eng.graphs.graphs if k[0] == "lookup-round"}
     assert (5 in ran and ran <= {5, 8, 15}) if gammas is None else ran == {15}, ran
     assert sum(o.stats.emitted for o in got) / sum(o.stats.rounds for o in got) > 1.5
+    # Overlapped, the chain regrouped as rows ended and the fifth request joined (`regroup_chains`).
+    assert (eng.regrouped > 0) == (overlap and not eng.side_prefill), eng.regrouped
 
 
 @pytest.mark.parametrize("overlap", [False, True])
