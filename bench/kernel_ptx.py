@@ -2,7 +2,7 @@
 any machine with the triton package (its CUDA backend ships ptxas), for a target named here.
 
     python -m bench.kernel_ptx                              # sm_90 (H100 / H200): every case below
-    python -m bench.kernel_ptx --arch 90 --tokens 1,6,16 --packed-tokens 13 --group 3
+    python -m bench.kernel_ptx --arch 90 --tokens 1,6,16 --packed-tokens 13 --group 3 [--wide-warps 2]
 
 Two kinds of case:
 * the cache-writing kernels (`kv_write`, `rope_kv_write`, `step_context`, SmolLM2's shapes, bf16): their PTX
@@ -67,10 +67,14 @@ def cache_kernels(arch: int) -> list[dict]:
     return [{"kernel": name, **_compile(fn, ptrs, consts, arch)} for name, fn, ptrs, consts in cases]
 
 
-def attention_tiles(arch: int, tokens: tuple[int, ...], group: int, packed: bool = False) -> list[dict]:
+def attention_tiles(arch: int, tokens: tuple[int, ...], group: int, packed: bool = False,
+                    wide_warps: int | None = None) -> list[dict]:
     """The attention kernel for a row of t new tokens (each of `tokens`), as `triton_attention` launches it
-    split, with rows and positions (queries packed, `qidx`, where `packed`)."""
+    split, with rows and positions (queries packed, `qidx`, where `packed`), at its warps: 4, and for tiles over 32
+    rows `wide_warps` (default `engine.triton_attention.WIDE_WARPS`, FLASHSPEC_ATTN_WIDE_WARPS)."""
     from engine import triton_attention as ta
+
+    wide_warps = ta.WIDE_WARPS if wide_warps is None else wide_warps
 
     attend, _ = ta._kernels()
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "M": "*u8", "O": "*fp32", "LSE": "*fp32", "ROWS": "*i64",
@@ -81,8 +85,9 @@ def attention_tiles(arch: int, tokens: tuple[int, ...], group: int, packed: bool
         consts = dict(G=group, D=64, BLOCK_M=block_m, BLOCK_N=ta.BLOCK_N, IEEE=False, SPLIT=True, HAS_ROWS=True,
                       HAS_POS=True, BLOCK_T=max(2, 1 << (t - 1).bit_length()), PDL=False, INLINE_MERGE=False,
                       FENCE=False, HAS_QIDX=packed)
-        out.append({"kernel": "attend", "tokens": t, "tile_rows": group * t, "BLOCK_M": block_m,
-                    "packed": consts["HAS_QIDX"], **_compile(attend, pointers, consts, arch)})
+        warps = 4 if block_m <= 32 else wide_warps
+        out.append({"kernel": "attend", "tokens": t, "tile_rows": group * t, "BLOCK_M": block_m, "warps": warps,
+                    "packed": consts["HAS_QIDX"], **_compile(attend, pointers, consts, arch, num_warps=warps)})
     return out
 
 
@@ -92,13 +97,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", default="1,6,16", help="attention, rectangular rows: a row's new tokens")
     parser.add_argument("--packed-tokens", default="13", help="attention, packed queries: a row's chain of tokens")
     parser.add_argument("--group", type=int, default=3, help="attention: query heads a KV head (SmolLM2: 3)")
+    parser.add_argument("--wide-warps", type=int, default=None, choices=(1, 2, 4, 8),
+                        help="attention: warps of tiles over 32 rows (default FLASHSPEC_ATTN_WIDE_WARPS, else 4)")
     args = parser.parse_args(argv)
 
     def ints(text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in text.split(",") if t)
 
-    rows = (cache_kernels(args.arch) + attention_tiles(args.arch, ints(args.tokens), args.group)
-            + attention_tiles(args.arch, ints(args.packed_tokens), args.group, packed=True))
+    rows = (cache_kernels(args.arch) + attention_tiles(args.arch, ints(args.tokens), args.group, wide_warps=args.wide_warps)
+            + attention_tiles(args.arch, ints(args.packed_tokens), args.group, packed=True, wide_warps=args.wide_warps))
     for row in rows:
         print(json.dumps(row), flush=True)
 

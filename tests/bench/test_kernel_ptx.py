@@ -16,6 +16,13 @@ def test_attention_tiles_of_64_rows_take_wgmma_on_hopper_and_smaller_ones_mma_sy
     assert packed["packed"] and packed["wgmma"] == 0 and packed["mma_sync"] > 0
 
 
+def test_two_warps_keep_a_64_row_attention_tile_on_mma_sync():
+    """FLASHSPEC_ATTN_WIDE_WARPS=2: a tile of over 32 rows launches 2 warps, too few for a warpgroup's wgmma."""
+    rows = kernel_ptx.attention_tiles(90, (6, 16), group=3, wide_warps=2)
+    assert [(r["BLOCK_M"], r["warps"]) for r in rows] == [(32, 4), (64, 2)]
+    assert all(r["wgmma"] == 0 and r["mma_sync"] > 0 for r in rows)
+
+
 def test_cache_kernels_compile_and_a_hash_names_their_instructions():
     rows = kernel_ptx.cache_kernels(90)
     assert [r["kernel"] for r in rows] == ["kv_write", "rope_kv_write", "step_context"]
