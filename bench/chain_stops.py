@@ -6,7 +6,8 @@ fp32 where the GPU runs bf16).
     python -m bench.chain_stops                                   # the GPU benchmark's bs 8 cell: 32 long prompts
     python -m bench.chain_stops --prompts 8 --new-tokens 64       # a quick look
 
-An unchained round is one the host launches only after it has read the round before (`DecodeEngine._lookup_round`):
+An unchained round is one the host launches only after it has read the round before (`DecodeEngine._spec_round`,
+counted by `bench.gpu.HostSplit` as on the GPU):
 on the GPU the device idles meanwhile for the host's step (reading, committing, joining a request, launching; about
 0.4-0.5 ms at bs 8 on the H200, bench/RESULTS.md run 43). A chained round was launched from the round in flight's
 outcome on the device before the host read it; a regrouped one too, for a batch whose rows changed (rows that stopped
@@ -27,6 +28,7 @@ import torch
 def count(model, prompts: list[list[int]], new_tokens: int, batch: int, ahead: int, regroup: bool,
           eos: tuple[int, ...] | None = ()) -> dict:
     """One pass of `prompts` as lookup rows: its rounds launched unchained, regrouped and in all, and the tokens."""
+    from bench.gpu import HostSplit
     from engine.generate import generate
     from engine.lookup import LookupDraft
     from engine.sampling import SamplingParams
@@ -40,28 +42,17 @@ def count(model, prompts: list[list[int]], new_tokens: int, batch: int, ahead: i
                        cuda_graphs="emulate", overlap=True, prefill_ahead=ahead)
     eng.regroup_chains = regroup
     eng.add_draft("lookup", LookupDraft())
-    unchained, real = [0], eng._lookup_round
-
-    def lookup_round(rows):
-        unchained[0] += 1
-        return real(rows)
-
-    eng._lookup_round = lookup_round
-    steps, real_step = [0], eng.step
-
-    def step():
-        steps[0] += 1
-        return real_step()
-
-    eng.step = step
     params = SamplingParams(max_new_tokens=new_tokens, eos_token_ids=eos)
     t0 = time.perf_counter()
-    outs = generate(eng, prompts, params, "lookup")
+    with HostSplit(eng) as split:  # a round launched from `_spec_round` is one the host launched unchained
+        outs = generate(eng, prompts, params, "lookup")
+    wall = time.perf_counter() - t0
+    report = split.report(wall)
     rounds = sum(o.stats.rounds for o in outs if o.stats)
     return {"regroup_chains": regroup, "requests": len(prompts), "batch": batch, "prefill_ahead": ahead,
-            "new_tokens": new_tokens, "tokens": sum(len(o.token_ids) for o in outs), "steps": steps[0],
-            "rows_rounds": rounds, "rounds_unchained": unchained[0], "rounds_regrouped": eng.regrouped,
-            "seconds": round(time.perf_counter() - t0, 1), "_outs": [o.token_ids for o in outs]}
+            "new_tokens": new_tokens, "tokens": sum(len(o.token_ids) for o in outs), "steps": report["steps"],
+            "rows_rounds": rounds, "rounds_unchained": report["rounds"], "rounds_regrouped": report["rounds_regrouped"],
+            "seconds": round(wall, 1), "_outs": [o.token_ids for o in outs]}
 
 
 def main(argv: list[str] | None = None) -> None:

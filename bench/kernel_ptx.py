@@ -72,20 +72,19 @@ def attention_tiles(arch: int, tokens: tuple[int, ...], group: int, packed: bool
     """The attention kernel for a row of t new tokens (each of `tokens`), as `triton_attention` launches it
     split, with rows and positions (queries packed, `qidx`, where `packed`), at its warps: 4, and for tiles over 32
     rows `wide_warps` (default `engine.triton_attention.WIDE_WARPS`, FLASHSPEC_ATTN_WIDE_WARPS)."""
+    from bench.round_profile import overridden
     from engine import triton_attention as ta
-
-    wide_warps = ta.WIDE_WARPS if wide_warps is None else wide_warps
 
     attend, _ = ta._kernels()
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "M": "*u8", "O": "*fp32", "LSE": "*fp32", "ROWS": "*i64",
                 "POS": "*i64", "OUT": "*bf16", "CNT": "*bf16", "QIDX": "*i64"}
     out = []
     for t in tokens:
-        block_m = max(16, 1 << (group * t - 1).bit_length())  # as triton_attention picks it
+        with overridden(ta, WIDE_WARPS=ta.WIDE_WARPS if wide_warps is None else wide_warps):
+            block_m, warps = ta.tile(group * t)  # as triton_attention picks them
         consts = dict(G=group, D=64, BLOCK_M=block_m, BLOCK_N=ta.BLOCK_N, IEEE=False, SPLIT=True, HAS_ROWS=True,
                       HAS_POS=True, BLOCK_T=max(2, 1 << (t - 1).bit_length()), PDL=False, INLINE_MERGE=False,
                       FENCE=False, HAS_QIDX=packed)
-        warps = 4 if block_m <= 32 else wide_warps
         out.append({"kernel": "attend", "tokens": t, "tile_rows": group * t, "BLOCK_M": block_m, "warps": warps,
                     "packed": consts["HAS_QIDX"], **_compile(attend, pointers, consts, arch, num_warps=warps)})
     return out

@@ -58,10 +58,10 @@ def measure(batch: int, group: int, t: int, warps: int, slots: int = 768, hkv: i
             alone[:, :, j:j + 1] = ta.triton_attention(q[:, :, j:j + 1].contiguous(), k, v, mask[:, :, j:j + 1],
                                                        rows=rows, kv_len=slots, positions=pos[:, -1:].contiguous())
         us = round(per_call_us(call), 2) if timed else None
+        block_m, launched = ta.tile(group * t)
     differ = wide != alone
-    block_m = max(16, 1 << (group * t - 1).bit_length())
     return {"batch": batch, "group": group, "tokens": t, "tile_rows": group * t, "BLOCK_M": block_m,
-            "warps": 4 if block_m <= 32 else warps, "elements": differ.numel(), "elements_differing": int(differ.sum()),
+            "warps": launched, "elements": differ.numel(), "elements_differing": int(differ.sum()),
             "queries_differing": int(differ.any(dim=-1).sum()),
             "max_difference": float((wide.float() - alone.float()).abs().max()), "us_a_call": us}
 
@@ -80,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench.tile_bits needs a CUDA GPU (it runs the Triton attention kernel); run it on the GPU machine")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     ints = lambda text: tuple(int(x) for x in text.split(",") if x)  # noqa: E731
+    from engine.triton_attention import tile
+
     for batch in ints(args.batch):
         for t in ints(args.tokens):
-            wide = args.group * t > 32
+            wide = tile(args.group * t)[0] > 32
             for warps in ints(args.warps) if wide else (4,):
                 runs = [measure(batch, args.group, t, warps, args.slots, dtype=dtype, seed=s, timed=s == 0)
                         for s in range(args.seeds)]

@@ -187,7 +187,7 @@ class DecodeEngine:
         # run (not only while each wants more than the round in flight can make), and where rows have stopped or
         # prefilled requests can join it launches the next round for the batch as it now is, regrouped, before it
         # reads the round in flight (`_regroup_round`). Without side prefills only: the round in flight may still
-        # write a stopped row's cache row, which an admission's prefill on the same stream then follows. False:
+        # write a stopped row's cache row, which an admission's prefill must follow on the same stream. False:
         # such a batch stops its chain near a row's end and for each change, as before.
         self.regroup_chains = True
         self.regrouped = 0  # rounds launched regrouped (`_regroup_round`)
@@ -934,12 +934,7 @@ class DecodeEngine:
         which drafted `gamma` from positions pos0 (b,) at the committed lengths; None if this round would not be
         one graph (the gamma controller's pick). A batch of lookup rows chains its next lookup round."""
         if all(is_lookup(s.draft) for s in batch):
-            g, allotted = self._next_lookup_round(batch, greedy)
-            kv_len = max(s.length for s in batch) + gamma + 1 + g + 2  # the longest row accepting everything in flight
-            nxt, npos = launch_lookup_round(self, batch, g, kv_len, greedy, pending=packed[:, 1],
-                                            pos0=pos0 + packed[:, 0] + 1, allotted=allotted)
-            return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=greedy,
-                          allotted=allotted)
+            return self._chain_lookup_round(batch, packed[:, 1], pos0 + packed[:, 0] + 1, gamma, greedy)
         spec, report = self._round_spec(batch)
         drafts = [s.draft for s in batch]
         if not captured_path(self, drafts, spec, batch, greedy):
@@ -949,6 +944,16 @@ class DecodeEngine:
         nxt, npos = launch_round(self, batch, drafts, g, kv_len, greedy, pending=packed[:, 1],
                                  pos0=pos0 + packed[:, 0] + 1, cfg=spec)
         return _Ahead(batch, nxt, *_fetch(nxt), npos, None, g, kind="round", report=report, greedy=greedy)
+
+    def _chain_lookup_round(self, rows: list[SlotState], pending: torch.Tensor, pos0: torch.Tensor, gamma: int,
+                            greedy: bool) -> "_Ahead":
+        """Launch the next lookup round of `rows` from their pending tokens and positions on the device, while a round
+        that drafted `gamma` is still in flight (`_launch_next_round`, `_regroup_round`)."""
+        g, allotted = self._next_lookup_round(rows, greedy)
+        kv_len = max(s.length for s in rows) + gamma + 1 + g + 2  # the longest row accepting everything in flight
+        nxt, npos = launch_lookup_round(self, rows, g, kv_len, greedy, pending=pending, pos0=pos0, allotted=allotted)
+        return _Ahead(rows, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=greedy,
+                      allotted=allotted)
 
     def _cold_events(self) -> int:
         """Graph captures plus kernel compiles so far: a step that changed it was not a steady-state step."""
@@ -1358,7 +1363,7 @@ class DecodeEngine:
         joined: list[RequestOutput] = []
         if self._may_overlap_round(batch, ahead.steps):
             self._ahead = self._launch_next_round(batch, ahead.tokens, ahead.pos, ahead.steps, ahead.greedy)
-        elif self._regroups(batch) and ahead.greedy:
+        elif self._regroups(batch):
             joined = self._regroup_round(ahead)
         host = _read(ahead.host, ahead.ready)
         result = round_result(host, ahead.steps) if ahead.allotted is None else allotted_result(host)
@@ -1382,10 +1387,10 @@ class DecodeEngine:
         launched: rows that stopped leave it, admissions whose prefill has run join it (`_join`: their first tokens,
         returned), and where the batch is then every running row and may chain (`_may_overlap_round`) its next
         round is launched before the round in flight is read: the rows that stay take their pending tokens and
-        positions from that round's outcome on the device, the rows that joined from the host. Waiting requests'
-        prefills are launched after it (`_launch_admissions`), on the same stream: a stopped row's cache row, which
-        the round in flight may still write, is free for them only behind it. Where the batch cannot chain, the
-        next step runs as an unchained one (the rows that joined are running by then)."""
+        positions from that round's outcome on the device, the rows that joined from the host. Where the batch
+        cannot chain (requests wait for a prefill of their own, ...) the next step runs unchained, the rows that
+        joined running by then; its admissions' prefills go on this stream, behind the round in flight, which may
+        still write a stopped row's cache row."""
         batch = ahead.batch
         kept = [i for i, s in enumerate(batch) if self.slots[s.slot] is s]
         if len(kept) == len(batch):
@@ -1396,23 +1401,12 @@ class DecodeEngine:
         rows = [batch[i] for i in kept] + joined
         if not rows or not self._regroups(rows) or not self._may_overlap_round(rows, ahead.steps):
             return outputs
-        packed, pos0 = ahead.tokens, ahead.pos
-        idx = to_device(kept, self.device) if kept else None
-        pending = [packed[idx, 1]] if kept else []
-        positions = [(pos0 + packed[:, 0] + 1)[idx]] if kept else []
-        if joined:
-            host = to_device([[s.pending for s in joined], [s.length for s in joined]], self.device)
-            pending.append(host[0])
-            positions.append(host[1])
-        pending, positions = torch.cat(pending), torch.cat(positions)
-        g, allotted = self._next_lookup_round(rows, True)
-        kv_len = max(s.length for s in rows) + ahead.steps + 1 + g + 2  # the longest row accepting everything
-        nxt, npos = launch_lookup_round(self, rows, g, kv_len, True, pending=pending, pos0=positions,
-                                        allotted=allotted)
-        self._ahead = _Ahead(rows, nxt, *_fetch(nxt), npos, None, g, kind="round", report=None, greedy=True,
-                             allotted=allotted)
+        idx = to_device(kept, self.device)
+        host = to_device([[s.pending for s in joined], [s.length for s in joined]], self.device)
+        pending = torch.cat([ahead.tokens[idx, 1], host[0]])
+        pos0 = torch.cat([(ahead.pos + ahead.tokens[:, 0] + 1)[idx], host[1]])
+        self._ahead = self._chain_lookup_round(rows, pending, pos0, ahead.steps, True)
         self.regrouped += 1
-        self._launch_admissions()
         return outputs
 
     def _wait_ahead(self) -> None:

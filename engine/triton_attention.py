@@ -52,6 +52,13 @@ def _wide_warps(text: str) -> int:
 WIDE_WARPS = _wide_warps(os.environ.get("FLASHSPEC_ATTN_WIDE_WARPS", "4"))
 
 
+def tile(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, warps) of a program whose tile holds `rows` query rows (query heads of a KV head x new tokens): a
+    power of two, at least 16 (tl.dot's smallest), and 4 warps, `WIDE_WARPS` past 32 rows."""
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    return block_m, 4 if block_m <= 32 else WIDE_WARPS
+
+
 @functools.lru_cache(maxsize=1)
 def _kernels():
     import triton
@@ -264,7 +271,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             or (qidx is not None and mask.shape[:3] != (bsz, 1, t))):
         return None
     attend, merge = _kernels()
-    block_m = max(16, 1 << (group * t - 1).bit_length())
+    block_m, warps = tile(group * t)
     n_split = splits if splits is not None else _splits(bsz * hkv, s)
     per_split = -(-s // n_split)
     per_split = -(-per_split // BLOCK_N) * BLOCK_N  # whole blocks per split
@@ -277,7 +284,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     common = dict(G=group, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
                   HAS_ROWS=rows is not None, HAS_POS=positions is not None,
                   BLOCK_T=max(2, 1 << (t - 1).bit_length()), HAS_QIDX=packed,
-                  num_warps=4 if block_m <= 32 else WIDE_WARPS, **pdl(q))
+                  num_warps=warps, **pdl(q))
     qidx_ptr = qidx if packed else q  # unread without HAS_QIDX
     row_ptr = rows if rows is not None else q  # unread without HAS_ROWS
     pos_ptr, pos_strides = (positions, positions.stride()) if positions is not None else (q, (0, 0))
