@@ -1322,6 +1322,7 @@ def test_a_batch_of_lookup_rows_draft_rows_and_plain_rows_gives_each_plain_decod
             assert both and all(k[1] == 1 for k in both)  # one draft in the graph; the lookup drafter is none
 
 
+@pytest.mark.slow  # about a minute on a 2-core machine; keeps the default suite under its 15-minute limit
 def test_mixed_rounds_of_lookup_and_draft_rows_chain_with_overlap_and_warm_up_covers_them(target):
     """Two drafts and the lookup drafter: warm-up captures the drafts' mix and the mix with lookup rows (a batch
     of two included), so greedy traffic of any mix captures nothing more; overlapped, such rounds chain on the
