@@ -71,7 +71,7 @@ def attention_tiles(arch: int, tokens: tuple[int, ...], group: int, packed: bool
                     wide_warps: int | None = None) -> list[dict]:
     """The attention kernel for a row of t new tokens (each of `tokens`), as `triton_attention` launches it
     split, with rows and positions (queries packed, `qidx`, where `packed`), at its warps: 4, and for tiles over 32
-    rows `wide_warps` (default `engine.triton_attention.WIDE_WARPS`, FLASHSPEC_ATTN_WIDE_WARPS)."""
+    rows `wide_warps` (default `engine.triton_attention.WIDE_WARPS`, 4)."""
     from bench.round_profile import overridden
     from engine import triton_attention as ta
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--packed-tokens", default="13", help="attention, packed queries: a row's chain of tokens")
     parser.add_argument("--group", type=int, default=3, help="attention: query heads a KV head (SmolLM2: 3)")
     parser.add_argument("--wide-warps", type=int, default=None, choices=(1, 2, 4, 8),
-                        help="attention: warps of tiles over 32 rows (default FLASHSPEC_ATTN_WIDE_WARPS, else 4)")
+                        help="attention: warps of tiles over 32 rows (default 4, the engine's)")
     args = parser.parse_args(argv)
 
     def ints(text: str) -> tuple[int, ...]:

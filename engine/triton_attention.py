@@ -37,19 +37,13 @@ MAX_TILE_ROWS = 64  # query heads per KV head x new tokens per row served by one
 BLOCK_N = 64  # cache slots per inner-loop block
 
 
-def _wide_warps(text: str) -> int:
-    if text not in ("1", "2", "4", "8"):
-        raise ValueError(f"FLASHSPEC_ATTN_WIDE_WARPS={text!r}: expected 1, 2, 4 or 8 warps (4: the default; "
-                         "2 keeps 64-row tiles on mma.sync)")
-    return int(text)
-
-
 # Warps of a program whose tile has more than 32 rows (BLOCK_M 64: a lone row's 15-token streak round at 3 query
-# heads a KV head is 48 rows, an allotted round's 13-token chain 39). At 4 warps or more Triton compiles such a
-# tile's products to Hopper's warpgroup `wgmma`, where every smaller tile takes `mma.sync`; the two may add a
-# product's terms in other orders (python -m bench.kernel_ptx; python -m bench.tile_bits measures whether a
-# query's bits then depend on its call's width, and the cost of 2 warps, which keep it on mma.sync).
-WIDE_WARPS = _wide_warps(os.environ.get("FLASHSPEC_ATTN_WIDE_WARPS", "4"))
+# heads a KV head is 48 rows). At 4 warps Triton compiles such a tile's products to Hopper's warpgroup `wgmma`,
+# where every smaller tile takes `mma.sync` (python -m bench.kernel_ptx). Measured on an H100 (python -m
+# bench.tile_bits, bench/RESULTS.md run 48): a query's bf16 bits in a wide call differ from its bits alone in a few
+# elements whatever the instruction (mma.sync tiles of 32 rows too), and 2 warps, which keep 64-row tiles on
+# mma.sync, change none of that and cost 1.2-1.8x a call. So 4; the tools override it to measure.
+WIDE_WARPS = 4
 
 
 def tile(rows: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ def test_attention_tiles_of_64_rows_take_wgmma_on_hopper_and_smaller_ones_mma_sy
 
 
 def test_two_warps_keep_a_64_row_attention_tile_on_mma_sync():
-    """FLASHSPEC_ATTN_WIDE_WARPS=2: a tile of over 32 rows launches 2 warps, too few for a warpgroup's wgmma."""
+    """With 2 warps (`wide_warps`) a tile of over 32 rows is too few warps for a warpgroup's wgmma."""
     rows = kernel_ptx.attention_tiles(90, (6, 16), group=3, wide_warps=2)
     assert [(r["BLOCK_M"], r["warps"]) for r in rows] == [(32, 4), (64, 2)]
     assert all(r["wgmma"] == 0 and r["mma_sync"] > 0 for r in rows)

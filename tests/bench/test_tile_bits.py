@@ -1,7 +1,5 @@
 """bench.tile_bits needs a GPU; here: its refusal without one, and the warps setting it varies."""
 
-import importlib
-
 import pytest
 import torch
 
@@ -14,15 +12,12 @@ def test_without_cuda_it_names_the_gpu_machine():
         tile_bits.main(["--tokens", "1"])
 
 
-def test_the_wide_tiles_warps_come_from_the_environment_and_bad_values_are_refused(monkeypatch):
+def test_the_warps_it_varies_reach_the_kernels_tiles():
+    """The tool measures other warps of tiles over 32 rows by overriding `WIDE_WARPS`; tiles of 32 rows or fewer keep 4."""
     import engine.triton_attention as ta
+    from bench.round_profile import overridden
 
-    try:
-        monkeypatch.setenv("FLASHSPEC_ATTN_WIDE_WARPS", "2")
-        assert importlib.reload(ta).WIDE_WARPS == 2
-        monkeypatch.setenv("FLASHSPEC_ATTN_WIDE_WARPS", "3")
-        with pytest.raises(ValueError, match="FLASHSPEC_ATTN_WIDE_WARPS='3'.*1, 2, 4 or 8"):
-            importlib.reload(ta)
-    finally:
-        monkeypatch.delenv("FLASHSPEC_ATTN_WIDE_WARPS", raising=False)
-        assert importlib.reload(ta).WIDE_WARPS == 4
+    assert [ta.tile(rows) for rows in (3, 18, 48)] == [(16, 4), (32, 4), (64, 4)]
+    with overridden(ta, WIDE_WARPS=2):
+        assert [ta.tile(rows) for rows in (3, 18, 48)] == [(16, 4), (32, 4), (64, 2)]
+    assert ta.tile(48) == (64, 4)
