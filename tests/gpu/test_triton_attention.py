@@ -183,11 +183,13 @@ def test_inline_merge_matches_the_merge_kernel_replay_after_replay(monkeypatch, 
 
 
 @pytest.mark.parametrize("batch,t", [(1, 6), (8, 6), (1, 13), (1, 16), (8, 16)])
-def test_a_query_in_a_wide_call_gives_its_bits_alone_to_one_rounding_step(batch, t):
+def test_a_query_in_a_wide_call_gives_its_bits_alone_but_for_near_ties(batch, t):
     """A query of a t-token call against the same query alone (the same cache, visible slots and splits): equal but
-    for a few elements one bf16 rounding step apart (an H100 showed 0-18 elements of 18k-147k, bench.tile_bits)."""
+    for a few elements (an H100 showed 0-18 of 18k-147k, bench.tile_bits, bench/RESULTS.md run 48), each at most two
+    bf16 steps apart: a score's last fp32 bit can round its bf16 probability (the P @ V operand) the other way, and
+    the output rounds once more."""
     from bench.tile_bits import measure
 
     for seed in range(3):
         row = measure(batch, 3, t, 4, seed=seed, timed=False)
-        assert row["max_units"] <= 1.0 and row["elements_differing"] <= row["elements"] // 1000, row
+        assert row["max_units"] <= 2.0 and row["elements_differing"] <= row["elements"] // 1000, row
