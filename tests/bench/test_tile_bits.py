@@ -13,7 +13,8 @@ def test_without_cuda_it_names_the_gpu_machine():
 
 
 def test_the_warps_it_varies_reach_the_kernels_tiles():
-    """The tool measures other warps of tiles over 32 rows by overriding `WIDE_WARPS`; tiles of 32 rows or fewer keep 4."""
+    """The tool measures other warps of tiles over 32 rows by overriding `WIDE_WARPS`; tiles of 32 rows or fewer
+    keep 4."""
     import engine.triton_attention as ta
     from bench.round_profile import overridden
 
